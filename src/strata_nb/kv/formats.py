@@ -1,0 +1,74 @@
+"""KV formats: the byte layout of one cell and one block, and the runs a block moves as.
+
+A *cell* is one token of one layer (K and V for every KV head); a *block* is BLOCK = 16
+consecutive cells of one layer. Every pool is laid out [block][kv_head][cell_in_block][...],
+so one block is one contiguous byte run in each of the format's arrays. This module is the
+single source of those sizes: the writer, the movers (copy runs, staging, ring restore,
+snapshots) and `strata-nb info` all ask it, and none of them special-cases a format.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+BLOCK = 16  # cells per block: the unit of allocation, selection, streaming and copying
+INT8_GROUP = 64  # values per int8 scale
+Q4_GROUP = 32  # values per ggml block_q4_0
+Q4_BYTES = 18  # block_q4_0: fp16 d + 16 bytes of nibbles
+
+FORMATS = ("fp32", "fp16", "int8", "q4_0", "k8v4")
+USER_FORMATS = ("fp16", "int8", "q4_0", "k8v4")  # what --kv offers; fp32 is the reference cache
+
+
+@dataclass(frozen=True)
+class PoolArray:
+    """One array of a pool: a field name, its dtype and its per-(cell, head) trailing shape."""
+
+    field: str  # e.g. "k_q"
+    run: str  # the run's name as users see it, e.g. "k codes"
+    dtype: np.dtype
+    per_head: int  # elements per (cell, head)
+
+    def block_bytes(self, n_kv_heads: int) -> int:
+        return BLOCK * n_kv_heads * self.per_head * self.dtype.itemsize
+
+
+def pool_arrays(fmt: str, head_dim: int) -> tuple[PoolArray, ...]:
+    """The arrays of a format's pool, in run order (DESIGN.md, 'KV cells, blocks, formats')."""
+    check_format(fmt, FORMATS)
+    if head_dim % INT8_GROUP:
+        raise ValueError(f"head_dim {head_dim} is not a multiple of {INT8_GROUP}")
+    f16, i8, u8 = np.dtype(np.float16), np.dtype(np.int8), np.dtype(np.uint8)
+    codes = lambda side: PoolArray(f"{side}_q", f"{side} codes", i8, head_dim)
+    scales = lambda side: PoolArray(f"{side}_s", f"{side} scales", f16, head_dim // INT8_GROUP)
+    q4 = lambda side: PoolArray(f"{side}_q4", f"{side} q4", u8, head_dim // Q4_GROUP * Q4_BYTES)
+    return {
+        "fp32": (PoolArray("k", "k", np.dtype(np.float32), head_dim),
+                 PoolArray("v", "v", np.dtype(np.float32), head_dim)),
+        "fp16": (PoolArray("k", "k", f16, head_dim), PoolArray("v", "v", f16, head_dim)),
+        "int8": (codes("k"), codes("v"), scales("k"), scales("v")),
+        "q4_0": (q4("k"), q4("v")),
+        "k8v4": (codes("k"), scales("k"), q4("v")),
+    }[fmt]
+
+
+def runs_of(fmt: str, n_kv_heads: int, head_dim: int) -> list[tuple[str, str, int]]:
+    """The byte runs one block moves as: (run name, pool field, bytes per block)."""
+    return [(a.run, a.field, a.block_bytes(n_kv_heads)) for a in pool_arrays(fmt, head_dim)]
+
+
+def kv_block_bytes(fmt: str, n_kv_heads: int, head_dim: int) -> int:
+    """Bytes of one block of one layer, all runs together."""
+    return sum(n for _, _, n in runs_of(fmt, n_kv_heads, head_dim))
+
+
+def cell_bytes(fmt: str, n_kv_heads: int, head_dim: int) -> int:
+    """Bytes of one cell (one token of one layer, K and V of every KV head)."""
+    return kv_block_bytes(fmt, n_kv_heads, head_dim) // BLOCK
+
+
+def check_format(fmt: str, allowed=USER_FORMATS) -> str:
+    if fmt not in allowed:
+        raise ValueError(f"unknown KV format {fmt!r}; choose one of {', '.join(allowed)}")
+    return fmt
