@@ -72,3 +72,12 @@ def check_format(fmt: str, allowed=USER_FORMATS) -> str:
     if fmt not in allowed:
         raise ValueError(f"unknown KV format {fmt!r}; choose one of {', '.join(allowed)}")
     return fmt
+
+
+def rotates(fmt: str) -> str:
+    """Which of q, k, v go through the Hadamard rotation for this format.
+
+    q4_0 rotates K and V (and Q, so that <Hq, Hk> = <q, k>); k8v4 rotates only V. Where V is
+    rotated, attention mixes rotated rows and the output is rotated back once.
+    """
+    return {"q4_0": "qkv", "k8v4": "v"}.get(fmt, "")

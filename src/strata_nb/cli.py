@@ -1,0 +1,157 @@
+"""The `strata-nb` command line. Flags map one to one onto `Settings` / `SamplingSettings`."""
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from .errors import StrataError
+from .kv.formats import USER_FORMATS
+
+KV_CHOICE = click.Choice(USER_FORMATS)
+
+
+def engine_options(f):
+    """Flags every command that builds an engine takes."""
+    opts = [
+        click.option("--model", type=click.Path(dir_okay=False), default=None,
+                     help="GGUF file (default: SmolLM2-135M-Instruct Q4_1, fetched on first use)."),
+        click.option("--kv", type=KV_CHOICE, default="fp16", show_default=True, help="KV cache format."),
+        click.option("--kv-resident", type=int, default=0, show_default=True,
+                     help="KV cells per layer kept in VRAM; 0 = fully resident."),
+        click.option("--max-context", type=int, default=8192, show_default=True, help="KV cells per layer."),
+        click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
+                     help="cpu runs the NumPy references; cuda the Numba-CUDA kernels."),
+        click.option("--prefill-chunk", type=int, default=256, show_default=True,
+                     help="Prompt tokens per forward pass."),
+    ]
+    for opt in reversed(opts):
+        f = opt(f)
+    return f
+
+
+def load_engine(model, kv, kv_resident, max_context, device, prefill_chunk, **more):
+    from .engine.engine import Engine
+
+    return Engine.load(model=model, kv=kv, kv_resident=kv_resident, device=device,
+                       max_context=max_context, prefill_chunk=prefill_chunk, **more)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="strata-nb")
+def cli():
+    """strata-nb: a teaching-grade LLM inference engine with quantized, streamed KV."""
+
+
+@cli.command()
+@click.argument("prompt", required=False)
+@engine_options
+@click.option("--max-tokens", type=int, default=256, show_default=True)
+@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
+@click.option("--top-k", type=int, default=0, show_default=True, help="0 = off.")
+@click.option("--top-p", type=float, default=1.0, show_default=True, help="1 = off.")
+@click.option("--seed", type=int, default=None, help="Seed for sampling (temperature > 0).")
+@click.option("--raw", is_flag=True, help="Send the prompt as is, without the chat template.")
+@click.option("--stats", is_flag=True, help="Print prompt tokens, prefill and decode tok/s to stderr.")
+def run(prompt, max_tokens, temperature, top_k, top_p, seed, raw, stats, **engine_kw):
+    """Generate from PROMPT (or stdin), streaming text to stdout as tokens come."""
+    from .settings import SamplingSettings
+
+    if prompt is None:
+        if sys.stdin is None or sys.stdin.isatty():
+            raise StrataError("give a prompt as an argument or on stdin")
+        prompt = sys.stdin.read()
+    sampling = SamplingSettings(max_tokens, temperature, top_k, top_p, seed)  # check flags before loading
+    eng = load_engine(**engine_kw)
+    ids = eng.prompt_ids(prompt, chat=not raw)
+    for piece in eng.generate_ids(ids, sampling):
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    if stats:
+        s = eng.last_stats
+        click.echo(f"prompt tokens: {s.prompt_tokens}, prefill: {s.prefill_tok_s:.1f} tok/s, "
+                   f"generated: {s.generated_tokens}, decode: {s.decode_tok_s:.1f} tok/s "
+                   f"({s.finish_reason})", err=True)
+
+
+@cli.command()
+@click.option("--model", type=click.Path(dir_okay=False), default=None, help="GGUF file.")
+@click.option("--kv", type=KV_CHOICE, default="fp16", show_default=True, help="KV format to size.")
+@click.option("--max-context", type=int, default=None, help="Context to size the KV for (default: trained).")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def info(model, kv, max_context, as_json):
+    """Print the model's facts and the KV format's sizes."""
+    from .model.fetch import ensure_default_model
+    from .model.gguf_file import GGUFModel
+    from .kv.formats import BLOCK, cell_bytes, kv_block_bytes, runs_of
+
+    m = GGUFModel(model or ensure_default_model())
+    c = m.config
+    ctx = max_context or c.context_length
+    per_token = cell_bytes(kv, c.n_kv_heads, c.head_dim) * c.n_layers
+    facts = {
+        "path": str(m.path), "name": c.name, "architecture": "llama",
+        "n_layers": c.n_layers, "d_model": c.d_model, "d_ff": c.d_ff, "n_heads": c.n_heads,
+        "n_kv_heads": c.n_kv_heads, "head_dim": c.head_dim, "rope_base": c.rope_base,
+        "rms_eps": c.rms_eps, "vocab_size": c.vocab_size, "context_length": c.context_length,
+        "tensor_types": _tensor_type_counts(m),
+        "kv": kv, "block": BLOCK,
+        "cell_bytes": cell_bytes(kv, c.n_kv_heads, c.head_dim),
+        "block_bytes": kv_block_bytes(kv, c.n_kv_heads, c.head_dim),
+        "runs": [{"name": n, "bytes": b} for n, _, b in runs_of(kv, c.n_kv_heads, c.head_dim)],
+        "bytes_per_token": per_token,
+        "max_context": ctx,
+        "bytes_at_max_context": per_token * ctx,
+    }
+    if as_json:
+        click.echo(json.dumps(facts, indent=1))
+        return
+    width = max(len(k) for k in facts)
+    for k, v in facts.items():
+        if k == "runs":
+            v = ", ".join(f"{r['name']} {r['bytes']} B" for r in v)
+        elif k == "bytes_at_max_context":
+            v = f"{v} ({v / 2**20:.1f} MiB)"
+        click.echo(f"{k:<{width}}  {v}")
+
+
+def _tensor_type_counts(m) -> dict:
+    counts: dict[str, int] = {}
+    for t in m.reader.tensors:
+        counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
+    return counts
+
+
+@cli.command()
+def fetch():
+    """Download the default model into the cache (STRATA_NB_HOME or the user cache dir)."""
+    from .model.fetch import fetch as fetch_model
+
+    click.echo(str(fetch_model(progress=True)))
+
+
+def main(argv=None):
+    """Entry point: user mistakes print one line and exit 2; bugs keep their traceback."""
+    try:
+        rv = cli.main(args=argv, prog_name="strata-nb", standalone_mode=False)
+    except click.exceptions.UsageError as err:
+        click.echo(f"strata-nb: error: {err.format_message()}", err=True)
+        sys.exit(2)
+    except StrataError as err:
+        click.echo(f"strata-nb: error: {err}", err=True)
+        sys.exit(2)
+    except click.exceptions.Abort:
+        click.echo("strata-nb: interrupted", err=True)
+        sys.exit(130)
+    except click.exceptions.ClickException as err:
+        click.echo(f"strata-nb: error: {err.format_message()}", err=True)
+        sys.exit(err.exit_code)
+    except BrokenPipeError:
+        sys.exit(0)
+    sys.exit(rv if isinstance(rv, int) else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+"""The Python API: `Engine.load(...)`, `tokenize`, `score`, `generate`.
+
+Decode is a handful of verbs, in the manner of gpt-fast: `prefill` the prompt in chunks,
+then `decode_one_token` and `sample` until a stop token or the token budget.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import numpy as np
+
+from ..backend import get_backend
+from ..errors import StrataError
+from ..kv.cache import KVCache
+from ..model.fetch import ensure_default_model
+from ..model.gguf_file import GGUFModel
+from ..model.weights import load_weights
+from ..settings import SamplingSettings, Settings
+from ..text.tokenizer import StreamDecoder, Tokenizer
+from .forward import forward
+from .sampling import sample
+
+
+@dataclass
+class RunStats:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    finish_reason: str = ""
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        # the first generated token comes from the prefill's logits; each later one is a step
+        steps = max(self.generated_tokens - 1, 0)
+        return steps / self.decode_seconds if self.decode_seconds else 0.0
+
+
+class Engine:
+    def __init__(self, settings: Settings, model: GGUFModel, be):
+        self.settings, self.model, self.be = settings, model, be
+        self.config = model.config
+        if settings.max_context > self.config.context_length:
+            raise StrataError(f"--max-context {settings.max_context} exceeds the model's trained context "
+                              f"of {self.config.context_length}")
+        self.tokenizer = Tokenizer(model)
+        self.weights = load_weights(be, model, settings.max_context)
+        self.kv = KVCache(be, self.config, settings.kv, settings.max_context, fault=settings.fault)
+        self.last_stats = RunStats()
+
+    @classmethod
+    def load(cls, model: str | None = None, kv: str = "fp16", kv_resident: int = 0, device: str = "auto",
+             max_context: int = 8192, **more) -> "Engine":
+        """Open a GGUF (None = the default model, fetched on first use) and build the engine."""
+        settings = Settings(model=model, kv=kv, kv_resident=kv_resident, device=device,
+                            max_context=max_context, **more)
+        if settings.kv_resident:
+            raise StrataError("--kv-resident (KV streaming) is not built yet; use 0 (fully resident)")
+        path = settings.model or ensure_default_model()
+        return cls(settings, GGUFModel(path), get_backend(settings.device))
+
+    # ---- text ---------------------------------------------------------------------------
+    def tokenize(self, text: str) -> list[int]:
+        """Token ids of `text` (special-token text becomes its id; no BOS is added)."""
+        return self.tokenizer.encode(text)
+
+    def prompt_ids(self, prompt: str, chat: bool = True) -> list[int]:
+        if not prompt.strip():
+            raise StrataError("the prompt is empty")
+        text = self.tokenizer.render_chat([{"role": "user", "content": prompt}]) if chat else prompt
+        ids = self.tokenize(text)
+        if len(ids) >= self.settings.max_context:
+            raise StrataError(f"the prompt is {len(ids)} tokens, which does not fit --max-context "
+                              f"{self.settings.max_context} (leave room for at least one new token)")
+        return ids
+
+    # ---- the verbs ----------------------------------------------------------------------
+    # --8<-- [start:verbs]
+    def prefill(self, ids: list[int], start: int = 0, all_logits: bool = False):
+        """Run the prompt through the model in chunks; logits of the last (or every) position."""
+        chunk = self.settings.prefill_chunk
+        outs = []
+        for s in range(0, len(ids), chunk):
+            part = np.asarray(ids[s:s + chunk], np.int32)
+            pos = np.arange(start + s, start + s + len(part), dtype=np.int32)
+            outs.append(self.be.to_numpy(forward(self.be, self.weights, self.kv, self.be.asarray(part),
+                                                 self.be.asarray(pos), all_logits=all_logits)))
+        return np.concatenate(outs) if all_logits else outs[-1][-1]
+
+    def decode_one_token(self, token: int, pos: int) -> np.ndarray:
+        """One step: the token at `pos` goes through every layer -> logits (vocab,)."""
+        ids, p = np.array([token], np.int32), np.array([pos], np.int32)
+        return self.be.to_numpy(forward(self.be, self.weights, self.kv, self.be.asarray(ids),
+                                        self.be.asarray(p)))[-1]
+    # --8<-- [end:verbs]
+
+    def score(self, ids) -> np.ndarray:
+        """Teacher-forced logits (len(ids), vocab) float32: row p predicts token p + 1."""
+        ids = [int(i) for i in ids]
+        if not ids:
+            raise StrataError("score needs at least one token")
+        if len(ids) > self.settings.max_context:
+            raise StrataError(f"{len(ids)} tokens do not fit --max-context {self.settings.max_context}")
+        return self.prefill(ids, all_logits=True)
+
+    def generate(self, prompt: str, max_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, seed: int | None = None, chat: bool = True) -> Iterator[str]:
+        """Yield text pieces as tokens are decoded (never splitting a UTF-8 character)."""
+        s = SamplingSettings(max_tokens, temperature, top_k, top_p, seed)
+        ids = self.prompt_ids(prompt, chat)
+        yield from self.generate_ids(ids, s)
+
+    def generate_ids(self, ids: list[int], s: SamplingSettings, on_token=None) -> Iterator[str]:
+        rng = np.random.default_rng(s.seed)
+        stats = self.last_stats = RunStats(prompt_tokens=len(ids))
+        decoder = StreamDecoder(self.tokenizer)
+        t0 = time.perf_counter()
+        logits = self.prefill(ids)
+        stats.prefill_seconds = time.perf_counter() - t0
+        t0, pos = time.perf_counter(), len(ids)
+        while True:
+            token = sample(logits, s, rng)
+            if token in self.tokenizer.stop_ids:
+                stats.finish_reason = "stop"
+                break
+            stats.generated_tokens += 1
+            if on_token:
+                on_token(token)
+            piece = decoder.push(token)
+            if piece:
+                yield piece
+            if stats.generated_tokens >= s.max_tokens or pos >= self.settings.max_context:
+                stats.finish_reason = "length"
+                break
+            logits = self.decode_one_token(token, pos)
+            pos += 1
+        stats.decode_seconds = time.perf_counter() - t0
+        tail = decoder.flush()
+        if tail:
+            yield tail

@@ -1,0 +1,136 @@
+"""int8 KV quantization: one fp16 scale per 64 values (DESIGN.md, "KV cells, blocks, formats").
+
+    scale = fp16(max|x| / 127)
+    code  = clamp(rint(x / float32(scale)), -127, 127)     computed against the STORED scale
+    x'    = code * scale                                    in float32
+
+Dividing by the stored fp16 scale, not the float32 one it came from, is what makes
+dequantization reproduce the codes' intent: the reader only ever sees the fp16 value.
+
+Values that are not ordinary (the policy, shared with q4_0, applied to every input value
+before anything else, in the kernel and the reference alike):
+- NaN becomes 0: a NaN in one value would otherwise poison the scale of all 64.
+- +-inf and finite values beyond +-65504 (the largest fp16) are clamped to +-65504, so a
+  scale never overflows to inf (65504 / 127 and 65504 / 8 are both fine in fp16).
+- Values with |x| < 2^-120 become a zero of the same sign (flush-to-zero, as GPUs do with
+  denormals). They are far below fp16's smallest step (6e-8), so they dequantize to 0
+  either way; flushing them keeps q4_0's 1/d finite (see quant_q4_0.py).
+Rounding is half to even: np.rint in the reference, round() (llrintf) in the kernel.
+A scale of 0 (an all-zero group, or max|x| below fp16's range) gives codes 0.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import cuda, float32
+
+from strata_nb.kernels.device_args import DeviceArgs, is_host_numpy
+from strata_nb.kv.formats import INT8_GROUP
+
+F16_MAX = np.float32(65504.0)  # the largest finite fp16
+TINY = np.float32(2.0**-120)  # below this, a value is flushed to zero
+LEVELS = np.float32(127.0)  # codes use -127..127: symmetric, -128 is never produced
+THREADS = 64  # groups per thread block; a group is one thread's work
+
+
+# --8<-- [start:sanitize]
+def sanitize_ref(x):
+    """The non-finite/huge/tiny policy above, on a float32 array."""
+    x = np.nan_to_num(np.asarray(x, np.float32), nan=0.0, posinf=F16_MAX, neginf=-F16_MAX)
+    x = np.clip(x, -F16_MAX, F16_MAX)
+    return np.where(np.abs(x) < TINY, x * np.float32(0.0), x)  # x * 0 keeps the sign
+
+
+@cuda.jit(device=True)
+def sanitize(x):
+    """One float32 value through the same policy."""
+    if x != x:  # only NaN is unequal to itself
+        return float32(0.0)
+    if x > F16_MAX:
+        return F16_MAX
+    if x < -F16_MAX:
+        return -F16_MAX
+    if abs(x) < TINY:
+        return x * float32(0.0)
+    return x
+# --8<-- [end:sanitize]
+
+
+# --8<-- [start:quantize_int8_ref]
+def quantize_int8_ref(x):
+    """x: (..., 64k) float32 -> codes (..., 64k) int8, scales (..., k) float16."""
+    assert x.shape[-1] % INT8_GROUP == 0, f"last axis {x.shape[-1]} is not a multiple of {INT8_GROUP}"
+    groups = sanitize_ref(x).reshape(*x.shape[:-1], -1, INT8_GROUP)  # (..., k, 64)
+    scales = (np.abs(groups).max(axis=-1) / LEVELS).astype(np.float16)  # (..., k)
+    stored = scales.astype(np.float32)[..., None]  # the value a reader will multiply by
+    with np.errstate(divide="ignore", invalid="ignore"):  # scale 0 is handled just below
+        codes = np.clip(np.rint(groups / stored), -127, 127)
+    codes = np.where(stored == 0, 0, codes).astype(np.int8)
+    return codes.reshape(x.shape), scales
+
+
+def dequantize_int8_ref(codes, scales):
+    """codes (..., 64k) int8, scales (..., k) float16 -> (..., 64k) float32."""
+    groups = codes.reshape(*codes.shape[:-1], -1, INT8_GROUP).astype(np.float32)
+    return (groups * scales.astype(np.float32)[..., None]).reshape(codes.shape)
+# --8<-- [end:quantize_int8_ref]
+
+
+# --8<-- [start:quantize_int8_device]
+@cuda.jit(device=True)
+def quantize_int8_group(x,       # (head_dim,) float32: one head row
+                        codes,   # (head_dim,) int8, written at group g
+                        scales,  # (head_dim // 64,) float16, written at g
+                        g):      # which 64-value group of the row
+    base = g * INT8_GROUP
+    amax = float32(0.0)
+    for j in range(INT8_GROUP):
+        amax = max(amax, abs(sanitize(x[base + j])))
+    scales[g] = amax / LEVELS  # float32 -> fp16, round to nearest even, as astype(float16)
+    stored = float32(scales[g])  # read back: codes are computed against the stored scale
+    for j in range(INT8_GROUP):
+        if stored == 0:
+            codes[base + j] = 0
+        else:
+            code = round(sanitize(x[base + j]) / stored)  # half to even (llrintf)
+            codes[base + j] = min(127, max(-127, code))
+
+
+@cuda.jit(device=True)
+def dequantize_int8_value(codes,   # (head_dim,) int8: one head row
+                          scales,  # (head_dim // 64,) float16
+                          j):      # which value of the row
+    # A 7-bit code times an 11-bit fp16 significand fits float32's 24 bits: exact.
+    return float32(codes[j]) * float32(scales[j // INT8_GROUP])
+# --8<-- [end:quantize_int8_device]
+
+
+# --8<-- [start:quantize_int8_kernel]
+@cuda.jit
+def quantize_int8_kernel(x,       # (rows, 64k) float32
+                         codes,   # (rows, 64k) int8, written
+                         scales):  # (rows, k) float16, written
+    lane = cuda.grid(1)  # one thread per (row, group): groups are independent
+    groups_per_row = scales.shape[1]
+    if lane < x.shape[0] * groups_per_row:
+        r = lane // groups_per_row
+        quantize_int8_group(x[r], codes[r], scales[r], lane % groups_per_row)
+# --8<-- [end:quantize_int8_kernel]
+
+
+def quantize_int8(x):
+    """Like quantize_int8_ref. x: (..., 64k) float32, NumPy or device; returns the same kind."""
+    assert x.dtype == np.float32, f"x is {x.dtype}, want float32"
+    assert x.shape[-1] % INT8_GROUP == 0, f"last axis {x.shape[-1]} is not a multiple of {INT8_GROUP}"
+    scales_shape = (*x.shape[:-1], x.shape[-1] // INT8_GROUP)
+    alloc = np.empty if is_host_numpy(x) else cuda.device_array
+    codes, scales = alloc(x.shape, np.int8), alloc(scales_shape, np.float16)
+    n_rows = x.size // x.shape[-1] if x.size else 0
+    lanes = n_rows * scales_shape[-1]
+    if lanes == 0:
+        return codes, scales
+    with DeviceArgs() as dev:
+        quantize_int8_kernel[(lanes + THREADS - 1) // THREADS, THREADS](
+            dev.read(x).reshape(n_rows, x.shape[-1]),
+            dev.write(codes).reshape(n_rows, x.shape[-1]),
+            dev.write(scales).reshape(n_rows, scales_shape[-1]))
+    return codes, scales

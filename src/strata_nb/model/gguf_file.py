@@ -1,0 +1,131 @@
+"""Open a GGUF file, check it is a model strata-nb can run, and read its facts and tensors.
+
+Parsing is gguf-py's (`gguf.GGUFReader`, a memory map); this module turns its fields into a
+`ModelConfig` and every failure a user can cause into one clear `StrataError`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import StrataError
+from .dequant import SUPPORTED
+
+ARCHITECTURES = ("llama",)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """The hyperparameters the forward pass needs, read from GGUF metadata."""
+
+    name: str
+    n_layers: int  # transformer blocks
+    d_model: int  # hidden size (576 for the default model)
+    d_ff: int  # SwiGLU inner size (1536)
+    n_heads: int  # query heads (9)
+    n_kv_heads: int  # K/V heads (3): GQA groups of n_heads // n_kv_heads
+    head_dim: int  # 64
+    rope_base: float  # 100000
+    rms_eps: float
+    vocab_size: int
+    context_length: int  # trained context (8192)
+
+    def __post_init__(self):
+        if self.n_heads % self.n_kv_heads:
+            raise StrataError(f"{self.n_heads} query heads do not split into {self.n_kv_heads} KV groups")
+        if self.head_dim % 64:
+            raise StrataError(f"head_dim {self.head_dim} is not a multiple of 64 (the rotation width)")
+
+
+@dataclass(frozen=True, slots=True)
+class QTensor:
+    """A weight tensor as stored: raw bytes per row plus its ggml type."""
+
+    name: str
+    qtype: str  # "Q4_1", "Q8_0", "F32", ...
+    shape: tuple[int, int]  # (out, in) rows x cols, so y = x @ W.T
+    raw: np.ndarray  # (out, bytes_per_row) uint8, a view into the memory map
+
+
+def _field(reader, key: str, default=None, required=True):
+    f = reader.fields.get(key)
+    if f is None:
+        if required and default is None:
+            raise StrataError(f"GGUF metadata lacks {key!r}")
+        return default
+    return f.contents()
+
+
+class GGUFModel:
+    """A validated GGUF model file: `config`, `metadata(key)`, `tensor(name)`."""
+
+    # --8<-- [start:open_checks]
+    def __init__(self, path: str | Path):
+        import gguf
+
+        self.path = Path(path)
+        if not self.path.exists():
+            raise StrataError(f"model file not found: {self.path}")
+        if not self.path.is_file():
+            raise StrataError(f"model path is not a file: {self.path}")
+        with open(self.path, "rb") as fh:
+            if fh.read(4) != b"GGUF":
+                raise StrataError(f"{self.path} is not a GGUF file (its first bytes are not 'GGUF')")
+        try:
+            self.reader = gguf.GGUFReader(self.path)
+        except (ValueError, IndexError, OSError) as err:
+            raise StrataError(f"{self.path} is truncated or corrupt: {err}") from None
+        size = self.path.stat().st_size
+        for t in self.reader.tensors:
+            if t.data_offset + t.n_bytes > size:
+                raise StrataError(f"{self.path} is truncated: tensor {t.name} ends past the end of the file")
+        self.tensors = {t.name: t for t in self.reader.tensors}
+        self.config = self._read_config()
+        for t in self.reader.tensors:
+            if t.tensor_type.name not in SUPPORTED:
+                raise StrataError(
+                    f"tensor {t.name} has type {t.tensor_type.name}, which strata-nb does not load "
+                    f"(supported: {', '.join(SUPPORTED)})")
+    # --8<-- [end:open_checks]
+
+    def metadata(self, key: str, default=None):
+        return _field(self.reader, key, default, required=False)
+
+    def _read_config(self) -> ModelConfig:
+        arch = _field(self.reader, "general.architecture")
+        if arch not in ARCHITECTURES:
+            raise StrataError(f"unsupported architecture {arch!r}: strata-nb runs {', '.join(ARCHITECTURES)}")
+        a = lambda key, default=None: _field(self.reader, f"{arch}.{key}", default)
+        n_heads = int(a("attention.head_count"))
+        d_model = int(a("embedding_length"))
+        tokens = self.metadata("tokenizer.ggml.tokens")
+        vocab = int(a("vocab_size", len(tokens) if tokens is not None else None))
+        return ModelConfig(
+            name=str(self.metadata("general.name", self.path.stem)),
+            n_layers=int(a("block_count")),
+            d_model=d_model,
+            d_ff=int(a("feed_forward_length")),
+            n_heads=n_heads,
+            n_kv_heads=int(a("attention.head_count_kv", n_heads)),
+            head_dim=int(a("rope.dimension_count", d_model // n_heads)),
+            rope_base=float(a("rope.freq_base", 10000.0)),
+            rms_eps=float(a("attention.layer_norm_rms_epsilon", 1e-5)),
+            vocab_size=vocab,
+            context_length=int(a("context_length", 2048)),
+        )
+
+    def tensor(self, name: str) -> QTensor:
+        t = self.tensors.get(name)
+        if t is None:
+            raise StrataError(f"{self.path.name} lacks tensor {name!r}")
+        raw = t.data
+        shape = tuple(int(n) for n in reversed(t.shape.tolist()))  # ggml ne is (in, out)
+        if len(shape) == 1:
+            shape = (1, shape[0])
+        raw = np.asarray(raw).view(np.uint8).reshape(shape[0], -1)
+        return QTensor(name, t.tensor_type.name, shape, raw)
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors

@@ -1,0 +1,88 @@
+"""Write a llama-architecture GGUF with random weights.
+
+Tests use tiny ones (a file in milliseconds, a forward pass in microseconds); benchmarks use
+one with the default model's shapes, since only the shapes decide the speed. The vocabulary
+is GPT-2's 256-byte alphabet plus the ChatML special tokens, with no merges, unless the
+caller passes tokens and merges (e.g. the default model's).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from ..text.tokenizer import _byte_decoder
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content']"
+          " + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+          "{% endif %}")
+
+
+def write_synthetic_gguf(path: str | Path, *, n_layers: int = 2, d_model: int = 128, d_ff: int = 192,
+                         n_heads: int = 2, n_kv_heads: int = 1, head_dim: int = 64, context: int = 512,
+                         qtype: str = "Q4_1", seed: int = 0, tokens: list[str] | None = None,
+                         merges: list[str] | None = None, extra_tensor: tuple | None = None,
+                         architecture: str = "llama") -> Path:
+    """Write the file and return its path. `extra_tensor=(name, array, GGMLQuantizationType)`
+    adds one raw tensor (used to test the unsupported-type error)."""
+    import gguf
+
+    rng = np.random.default_rng(seed)
+    if tokens is None:
+        tokens = SPECIALS + sorted(_byte_decoder(), key=_byte_decoder().get)
+        merges = []
+    types = [3 if t in SPECIALS else 1 for t in tokens]
+    w = gguf.GGUFWriter(str(path), architecture)
+    w.add_name("synthetic")
+    w.add_block_count(n_layers)
+    w.add_context_length(context)
+    w.add_embedding_length(d_model)
+    w.add_feed_forward_length(d_ff)
+    w.add_head_count(n_heads)
+    w.add_head_count_kv(n_kv_heads)
+    w.add_rope_dimension_count(head_dim)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(len(tokens))
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges or [])
+    w.add_eos_token_id(tokens.index("<|im_end|>"))
+    w.add_bos_token_id(tokens.index("<|im_start|>"))
+    w.add_add_bos_token(False)
+    w.add_chat_template(CHATML)
+
+    def matrix(name, rows, cols, q=qtype, scale=0.08):
+        a = (rng.standard_normal((rows, cols)) * scale).astype(np.float32)
+        t = getattr(gguf.GGMLQuantizationType, q)
+        data = a if q == "F32" else gguf.quants.quantize(a, t)
+        w.add_tensor(name, data, raw_dtype=t)
+
+    def norm(name, n):
+        w.add_tensor(name, (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32))
+
+    qd, kd = n_heads * head_dim, n_kv_heads * head_dim
+    matrix("token_embd.weight", len(tokens), d_model, q="Q8_0", scale=0.5)
+    for i in range(n_layers):
+        p = f"blk.{i}."
+        norm(p + "attn_norm.weight", d_model)
+        matrix(p + "attn_q.weight", qd, d_model)
+        matrix(p + "attn_k.weight", kd, d_model)
+        matrix(p + "attn_v.weight", kd, d_model)
+        matrix(p + "attn_output.weight", d_model, qd)
+        norm(p + "ffn_norm.weight", d_model)
+        matrix(p + "ffn_gate.weight", d_ff, d_model)
+        matrix(p + "ffn_up.weight", d_ff, d_model)
+        matrix(p + "ffn_down.weight", d_model, d_ff)
+    norm("output_norm.weight", d_model)
+    if extra_tensor is not None:
+        name, array, t = extra_tensor
+        w.add_tensor(name, array, raw_dtype=t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return Path(path)

@@ -1,0 +1,67 @@
+"""The model's weights, placed on a backend in the form its ops want.
+
+q|k|v and gate|up are stacked by rows so a layer's projections are two matmuls, not five.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .gguf_file import GGUFModel, ModelConfig
+
+
+@dataclass(slots=True)
+class LayerWeights:
+    attn_norm: object  # (d,) float32
+    wqkv: object  # (n_heads*hd + 2*n_kv*hd, d): q rows, then k rows, then v rows
+    wo: object  # (d, n_heads*hd)
+    ffn_norm: object  # (d,) float32
+    wgate_up: object  # (2*ff, d): gate rows, then up rows
+    wdown: object  # (d, ff)
+
+
+@dataclass(slots=True)
+class ModelWeights:
+    config: ModelConfig
+    token_embd: object  # (vocab, d): the embedding table and, tied, the output head
+    output: object  # (vocab, d): the output head (the same array as token_embd when tied)
+    output_norm: object  # (d,)
+    layers: list[LayerWeights]
+    rope_cos: object  # (max_context, hd/2) float32
+    rope_sin: object  # (max_context, hd/2) float32
+
+
+def rope_tables(cfg: ModelConfig, n_pos: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos/sin of pos * base^(-2i/hd) for each pair i, computed in float32 the way ggml does
+    (theta multiplied by theta_scale once per pair), so positions agree with llama.cpp."""
+    half = cfg.head_dim // 2
+    theta_scale = np.float32(cfg.rope_base) ** np.float32(-2.0 / cfg.head_dim)
+    theta = np.empty((n_pos, half), np.float32)
+    theta[:, 0] = np.arange(n_pos, dtype=np.float32)
+    for i in range(1, half):
+        theta[:, i] = theta[:, i - 1] * theta_scale
+    return np.cos(theta).astype(np.float32), np.sin(theta).astype(np.float32)
+
+
+# --8<-- [start:load_weights]
+def load_weights(be, model: GGUFModel, max_context: int) -> ModelWeights:
+    cfg = model.config
+    t = model.tensor
+    layers = []
+    for i in range(cfg.n_layers):
+        p = f"blk.{i}."
+        layers.append(LayerWeights(
+            attn_norm=be.vector(t(p + "attn_norm.weight")),
+            wqkv=be.matrix(t(p + "attn_q.weight"), t(p + "attn_k.weight"), t(p + "attn_v.weight")),
+            wo=be.matrix(t(p + "attn_output.weight")),
+            ffn_norm=be.vector(t(p + "ffn_norm.weight")),
+            wgate_up=be.matrix(t(p + "ffn_gate.weight"), t(p + "ffn_up.weight")),
+            wdown=be.matrix(t(p + "ffn_down.weight")),
+        ))
+    embd = be.matrix(t("token_embd.weight"))
+    output = be.matrix(t("output.weight")) if model.has("output.weight") else embd  # tied
+    cos, sin = rope_tables(cfg, max_context)
+    return ModelWeights(cfg, embd, output, be.vector(t("output_norm.weight")), layers,
+                        be.asarray(cos), be.asarray(sin))
+# --8<-- [end:load_weights]

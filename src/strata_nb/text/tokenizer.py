@@ -1,0 +1,145 @@
+"""Text <-> token ids, built from the GGUF file alone.
+
+The vocabulary, merges and token types live in the GGUF metadata (`tokenizer.ggml.*`); the
+BPE itself is the `tokenizers` library's. The chat template is the file's own Jinja
+(`tokenizer.chat_template`), rendered the way transformers renders it.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+from ..errors import StrataError
+
+CONTROL = 3  # llama.cpp token type: special tokens such as <|im_start|>
+USER_DEFINED = 4
+
+
+@lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: each of the 256 bytes is shown as one printable char."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    chars = printable[:]
+    n = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(printable, chars)}
+
+
+# GGUF's `tokenizer.ggml.pre` names the pre-tokenizer llama.cpp applies before BPE.
+def _pre_tokenizer(pre: str):
+    from tokenizers import pre_tokenizers as pt
+
+    byte_level = pt.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in ("smollm", "starcoder", "refact", "gpt-2", "gpt2", "default"):
+        if pre == "gpt-2" or pre == "gpt2" or pre == "default":
+            return byte_level
+        # these split every digit on its own before the GPT-2 regex
+        return pt.Sequence([pt.Digits(individual_digits=True), byte_level])
+    raise StrataError(f"unsupported tokenizer pre-tokenizer {pre!r} (strata-nb knows smollm, starcoder, gpt-2)")
+
+
+class Tokenizer:
+    """Byte-level BPE from GGUF metadata, plus the chat template and a streaming decoder."""
+
+    def __init__(self, gguf_model):
+        from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models
+
+        md = gguf_model.metadata
+        kind = md("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise StrataError(f"unsupported tokenizer model {kind!r}: strata-nb reads byte-level BPE ('gpt2')")
+        self.tokens: list[str] = list(md("tokenizer.ggml.tokens"))
+        types = md("tokenizer.ggml.token_type") or [1] * len(self.tokens)
+        merges = [tuple(m.split(" ", 1)) for m in md("tokenizer.ggml.merges") or []]
+        vocab = {t: i for i, t in enumerate(self.tokens)}
+        self._hf = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+        self._hf.pre_tokenizer = _pre_tokenizer(md("tokenizer.ggml.pre", "gpt2"))
+        self._hf.decoder = decoders.ByteLevel()
+        self.special_ids = {i for i, t in enumerate(types) if t in (CONTROL, USER_DEFINED)}
+        self._hf.add_special_tokens(
+            [AddedToken(self.tokens[i], special=True, normalized=False) for i in sorted(self.special_ids)])
+        self.eos_id = int(md("tokenizer.ggml.eos_token_id", 0))
+        self.bos_id = md("tokenizer.ggml.bos_token_id")
+        # generation stops at EOS and at the end-of-turn marker of chat models
+        self.stop_ids = {self.eos_id} | {vocab[t] for t in ("<|im_end|>", "<|endoftext|>") if t in vocab}
+        self.chat_template = md("tokenizer.chat_template")
+        self._bytes = _byte_decoder()
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokens)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`; special-token text such as <|im_start|> becomes its id; no BOS."""
+        return self._hf.encode(text, add_special_tokens=False).ids
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes a token stands for (a special token stands for its own text)."""
+        t = self.tokens[token_id]
+        if token_id in self.special_ids:
+            return t.encode("utf-8")
+        return bytes(self._bytes[c] for c in t)
+
+    def decode(self, ids) -> str:
+        return b"".join(self.token_bytes(i) for i in ids).decode("utf-8", errors="replace")
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The prompt text for a conversation, rendered with the file's own template."""
+        if not self.chat_template:
+            raise StrataError("this model has no chat template; use --raw")
+        return _jinja_env().from_string(self.chat_template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt,
+            bos_token=self.tokens[self.bos_id] if self.bos_id is not None else "",
+            eos_token=self.tokens[self.eos_id])
+
+
+@lru_cache(maxsize=1)
+def _jinja_env():
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise StrataError(f"chat template: {message}")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    return env
+
+
+class StreamDecoder:
+    """Turns token ids into text pieces as they come, never splitting a UTF-8 character.
+
+    A token can end in the middle of a multi-byte character (emoji are often 2-4 tokens),
+    so bytes wait in `pending` until they form complete characters.
+    """
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self.pending = b""
+
+    def push(self, token_id: int) -> str:
+        self.pending += self.tokenizer.token_bytes(token_id)
+        text, self.pending = _split_complete_utf8(self.pending)
+        return text
+
+    def flush(self) -> str:
+        text, self.pending = self.pending.decode("utf-8", errors="replace"), b""
+        return text
+
+
+def _split_complete_utf8(buf: bytes) -> tuple[str, bytes]:
+    """Decode the longest prefix of `buf` that does not end inside a character."""
+    cut = len(buf)
+    # a character is at most 4 bytes: look back at most 3 bytes for an unfinished lead byte
+    for back in range(1, min(4, len(buf)) + 1):
+        b = buf[-back]
+        if b & 0xC0 == 0x80:  # continuation byte: keep looking for the lead
+            continue
+        need = 2 if b & 0xE0 == 0xC0 else 3 if b & 0xF0 == 0xE0 else 4 if b & 0xF8 == 0xF0 else 1
+        if need > back:
+            cut = len(buf) - back
+        break
+    return buf[:cut].decode("utf-8", errors="replace"), buf[cut:]

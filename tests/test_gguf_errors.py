@@ -1,0 +1,63 @@
+"""Every way a model file can be wrong gets one clear error (and exit 2 from the CLI)."""
+import gguf
+import numpy as np
+import pytest
+
+from strata_nb.cli import main
+from strata_nb.errors import StrataError
+from strata_nb.model.gguf_file import GGUFModel
+from strata_nb.model.synthetic import write_synthetic_gguf
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(StrataError, match="not found"):
+        GGUFModel(tmp_path / "nope.gguf")
+
+
+def test_not_a_gguf(tmp_path):
+    p = tmp_path / "notes.txt"
+    p.write_text("hello")
+    with pytest.raises(StrataError, match="not a GGUF"):
+        GGUFModel(p)
+
+
+def test_truncated(tiny_model, tmp_path):
+    data = open(tiny_model, "rb").read()
+    for cut in (len(data) // 2, 200):
+        p = tmp_path / f"cut{cut}.gguf"
+        p.write_bytes(data[:cut])
+        with pytest.raises(StrataError, match="truncated"):
+            GGUFModel(p)
+
+
+def test_unsupported_architecture(tmp_path):
+    p = write_synthetic_gguf(tmp_path / "m.gguf", architecture="mamba", n_layers=1)
+    with pytest.raises(StrataError, match="unsupported architecture 'mamba'"):
+        GGUFModel(p)
+
+
+def test_unsupported_tensor_type(tmp_path):
+    q5k = np.zeros((4, 176), np.uint8)  # 4 rows of one 256-value Q5_K super-block each
+    p = write_synthetic_gguf(tmp_path / "m.gguf", n_layers=1,
+                             extra_tensor=("blk.0.extra.weight", q5k, gguf.GGMLQuantizationType.Q5_K))
+    with pytest.raises(StrataError, match="Q5_K"):
+        GGUFModel(p)
+
+
+def test_missing_tensor(tiny_model):
+    with pytest.raises(StrataError, match="lacks tensor 'blk.7.attn_q.weight'"):
+        GGUFModel(tiny_model).tensor("blk.7.attn_q.weight")
+
+
+@pytest.mark.parametrize("make", ["missing", "notgguf", "truncated"])
+def test_cli_bad_model_is_one_line_exit_2(make, tiny_model, tmp_path, capsys):
+    p = tmp_path / "m.gguf"
+    if make == "notgguf":
+        p.write_text("not a model")
+    elif make == "truncated":
+        p.write_bytes(open(tiny_model, "rb").read()[:5000])
+    with pytest.raises(SystemExit) as exit_:
+        main(["run", "--model", str(p), "hello"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("strata-nb: error:")
