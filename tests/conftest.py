@@ -48,3 +48,48 @@ def tiny_model(tmp_path_factory):
     from strata_nb.model.synthetic import write_synthetic_gguf
 
     return str(write_synthetic_gguf(tmp_path_factory.mktemp("tiny") / "tiny.gguf"))
+
+
+# ---- PTX for sm_90: every kernel the simulator ran, compiled for the GPU ----------------
+# The simulator runs kernels as Python, so it accepts code the GPU compiler rejects. Each
+# simulated launch records its kernel and argument types here; tests/test_zz_ptx_sm90.py
+# (collected last) compiles each one to sm_90 PTX in a process without the simulator.
+LAUNCHES: dict = {}
+
+
+def _type_name(a) -> str:
+    import numpy as np
+
+    a = getattr(a, "_ary", a)  # a simulator device array wraps a NumPy array
+    if isinstance(a, np.ndarray):
+        dims = [":"] * a.ndim
+        if a.flags.c_contiguous and a.ndim:
+            dims[-1] = "::1"
+        return f"{a.dtype.name}[{', '.join(dims)}]"
+    if isinstance(a, (bool, np.bool_)):
+        return "boolean"
+    if isinstance(a, np.generic):
+        return a.dtype.name
+    return {int: "int64", float: "float64"}[type(a)]
+
+
+def _record_launches():
+    from numba.cuda.simulator import kernel as sim
+
+    call = sim.FakeCUDAKernel.__call__
+
+    def recording_call(self, *args):
+        if not self._device and not sim._kernel_context:
+            fn = self.fn
+            key = (fn.__module__, fn.__qualname__, fn.__code__.co_firstlineno)
+            try:
+                LAUNCHES.setdefault(key, set()).add(f"void({', '.join(_type_name(a) for a in args)})")
+            except KeyError:
+                pass  # an argument type we do not map: that launch is not checked
+        return call(self, *args)
+
+    sim.FakeCUDAKernel.__call__ = recording_call
+
+
+if not ON_GPU:
+    _record_launches()

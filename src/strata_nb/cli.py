@@ -25,17 +25,23 @@ def engine_options(f):
                      help="cpu runs the NumPy references; cuda the Numba-CUDA kernels."),
         click.option("--prefill-chunk", type=int, default=256, show_default=True,
                      help="Prompt tokens per forward pass."),
+        click.option("--kv-window", type=int, default=256, show_default=True,
+                     help="Recent KV cells per layer held in the VRAM ring when streaming."),
+        click.option("--qsa-budget", type=int, default=0, show_default=True,
+                     help="KV cells a decode query reads, chosen by QSA block selection; 0 = all."),
+        click.option("--fault", type=click.Choice(["none", "drop-v-mirror"]), default="none",
+                     help="Teaching switch: drop-v-mirror makes the k8v4 V half skip the host copy "
+                          "(the unfolded-half bug). Off by default."),
     ]
     for opt in reversed(opts):
         f = opt(f)
     return f
 
 
-def load_engine(model, kv, kv_resident, max_context, device, prefill_chunk, **more):
+def load_engine(**engine_kw):
     from .engine.engine import Engine
 
-    return Engine.load(model=model, kv=kv, kv_resident=kv_resident, device=device,
-                       max_context=max_context, prefill_chunk=prefill_chunk, **more)
+    return Engine.load(**engine_kw)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -74,6 +80,11 @@ def run(prompt, max_tokens, temperature, top_k, top_p, seed, raw, stats, **engin
         click.echo(f"prompt tokens: {s.prompt_tokens}, prefill: {s.prefill_tok_s:.1f} tok/s, "
                    f"generated: {s.generated_tokens}, decode: {s.decode_tok_s:.1f} tok/s "
                    f"({s.finish_reason})", err=True)
+        if eng.kv.streamed:
+            c = eng.kv.counters
+            click.echo(f"KV streaming: {c.lookups} lookups, {c.misses} misses ({c.misses_per_step:.1f} per layer-step), "
+                       f"hit rate {c.hit_rate:.3f}, {c.copies} copies, {c.in_place} read in place, "
+                       f"{c.bytes_moved / 2**20:.1f} MiB moved", err=True)
 
 
 @cli.command()
@@ -122,6 +133,56 @@ def _tensor_type_counts(m) -> dict:
     for t in m.reader.tensors:
         counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
     return counts
+
+
+@cli.command("compare-kv")
+@click.option("--model", type=click.Path(dir_okay=False), default=None, help="GGUF file.")
+@click.option("--text", "text_file", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Text to score (default: the bundled document, ~2,800 tokens).")
+@click.option("--ctx", type=int, default=None, help="Score the first N tokens (default: the whole text).")
+@click.option("--kv", "formats", default="fp16,int8,q4_0,k8v4", show_default=True,
+              help="Comma-separated formats to compare against the fp32 reference cache.")
+@click.option("--qsa-budget", "budgets", default="0", show_default=True,
+              help="Comma-separated QSA budgets in cells (0 = dense); each format runs with each.")
+@click.option("--prefill-chunk", type=int, default=256, show_default=True)
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def compare_kv_cmd(model, text_file, ctx, formats, budgets, prefill_chunk, device, as_json):
+    """Teacher-forced quality of KV formats against an fp32 KV cache: KL, top-1, perplexity."""
+    from importlib import resources
+
+    from tqdm import tqdm
+
+    from .engine.compare import compare_kv, format_table
+
+    fmts = [f.strip() for f in formats.split(",") if f.strip()]
+    for f in fmts:
+        if f not in USER_FORMATS + ("fp32",):
+            raise StrataError(f"--kv {f!r} is not a KV format; choose from {', '.join(USER_FORMATS)}")
+    try:
+        qsa = [int(b) for b in budgets.split(",") if b.strip()]
+    except ValueError:
+        raise StrataError(f"--qsa-budget takes comma-separated cell counts, got {budgets!r}") from None
+    if not fmts or not qsa or min(qsa) < 0:
+        raise StrataError("give at least one format and budgets >= 0")
+    if text_file:
+        text = open(text_file, encoding="utf-8", errors="replace").read()
+        name = text_file
+    else:
+        text = resources.files("strata_nb.data").joinpath("default_document.txt").read_text()
+        name = "default_document.txt (bundled)"
+    if ctx is not None and ctx < 2:
+        raise StrataError(f"--ctx must be at least 2 tokens, got {ctx}")
+    eng = load_engine(model=model, kv="fp32", device=device, prefill_chunk=prefill_chunk, max_context=16)
+    ids = eng.tokenize(text)[: ctx or None]
+    if len(ids) < 2:
+        raise StrataError(f"{name} has fewer than 2 tokens to score")
+    if len(ids) > eng.config.context_length:
+        ids = ids[: eng.config.context_length]
+    with tqdm(total=len(ids), unit="tok", desc="compare-kv", file=sys.stderr, disable=as_json) as bar:
+        result = compare_kv(eng, ids, fmts, qsa, progress=bar.update)
+    result["text"] = name
+    click.echo(json.dumps(result, indent=1) if as_json else format_table(result))
 
 
 @cli.command()

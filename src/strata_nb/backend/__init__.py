@@ -2,15 +2,35 @@
 
 `numpy`: the references on the CPU. `cuda`: the @cuda.jit kernels (and, with
 NUMBA_ENABLE_CUDASIM=1, the same kernels under Numba's simulator).
+
+`--device cpu` is numpy, `--device cuda` is cuda (a GPU, or the simulator when it is
+switched on), and `--device auto` is cuda only on a real GPU: the simulator is for tests,
+far too slow to choose by default.
 """
 from __future__ import annotations
 
 from ..errors import StrataError
 
 
+def gpu_present() -> bool:
+    """A real CUDA GPU with a working driver (never the simulator)."""
+    from numba import config, cuda
+
+    return not config.ENABLE_CUDASIM and cuda.is_available()
+
+
 def get_backend(device: str):
+    from numba import config, cuda
+
+    if device == "cuda" and not (config.ENABLE_CUDASIM or cuda.is_available()):
+        raise StrataError("--device cuda needs an NVIDIA GPU with a working driver, and none was found; "
+                          "use --device cpu (or NUMBA_ENABLE_CUDASIM=1 to simulate one)")
+    if device == "cuda" or (device == "auto" and gpu_present()):
+        from .cuda_backend import CudaBackend
+
+        return CudaBackend()
     if device in ("auto", "cpu"):
         from .numpy_backend import NumpyBackend
 
         return NumpyBackend()
-    raise StrataError(f"--device {device} is not built yet; use --device cpu")
+    raise StrataError(f"--device {device!r} is not one of auto, cpu, cuda")

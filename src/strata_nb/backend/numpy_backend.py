@@ -27,6 +27,11 @@ class NumpyBackend:
     def to_numpy(self, a) -> np.ndarray:
         return np.asarray(a)
 
+    def copy_into(self, dst, src):
+        """dst[...] = src (a host table to its device twin; here they are often one array)."""
+        if dst is not src:
+            dst[...] = src
+
     def host_array(self, shape, dtype):
         """An array for the host copy (pinned and device-mapped on the cuda backend)."""
         return np.zeros(shape, dtype)

@@ -5,6 +5,7 @@ then `decode_one_token` and `sample` until a stop token or the token budget.
 """
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -44,15 +45,20 @@ class RunStats:
 
 
 class Engine:
-    def __init__(self, settings: Settings, model: GGUFModel, be):
+    def __init__(self, settings: Settings, model: GGUFModel, be, shared: "Engine | None" = None):
         self.settings, self.model, self.be = settings, model, be
         self.config = model.config
         if settings.max_context > self.config.context_length:
             raise StrataError(f"--max-context {settings.max_context} exceeds the model's trained context "
                               f"of {self.config.context_length}")
-        self.tokenizer = Tokenizer(model)
-        self.weights = load_weights(be, model, settings.max_context)
-        self.kv = KVCache(be, self.config, settings.kv, settings.max_context, fault=settings.fault)
+        if shared is not None:
+            self.tokenizer, self.weights = shared.tokenizer, shared.weights
+        else:
+            self.tokenizer = Tokenizer(model)
+            self.weights = load_weights(be, model)
+        self.kv = KVCache(be, self.config, settings)
+        if self.kv.streamed:
+            print(self.kv.describe(), file=sys.stderr)
         self.last_stats = RunStats()
 
     @classmethod
@@ -61,10 +67,18 @@ class Engine:
         """Open a GGUF (None = the default model, fetched on first use) and build the engine."""
         settings = Settings(model=model, kv=kv, kv_resident=kv_resident, device=device,
                             max_context=max_context, **more)
-        if settings.kv_resident:
-            raise StrataError("--kv-resident (KV streaming) is not built yet; use 0 (fully resident)")
         path = settings.model or ensure_default_model()
         return cls(settings, GGUFModel(path), get_backend(settings.device))
+
+    def derive(self, **changes) -> "Engine":
+        """A new engine with other KV settings (kv, kv_resident, qsa_budget, ...) that shares
+        this one's model, backend and weights: comparisons without loading twice."""
+        from dataclasses import asdict
+
+        settings = Settings(**(asdict(self.settings) | changes))
+        if settings.device != self.settings.device or settings.model != self.settings.model:
+            raise StrataError("derive() keeps the model and device; load a new Engine to change them")
+        return Engine(settings, self.model, self.be, shared=self)
 
     # ---- text ---------------------------------------------------------------------------
     def tokenize(self, text: str) -> list[int]:
@@ -90,25 +104,43 @@ class Engine:
         for s in range(0, len(ids), chunk):
             part = np.asarray(ids[s:s + chunk], np.int32)
             pos = np.arange(start + s, start + s + len(part), dtype=np.int32)
-            outs.append(self.be.to_numpy(forward(self.be, self.weights, self.kv, self.be.asarray(part),
-                                                 self.be.asarray(pos), all_logits=all_logits)))
+            outs.append(self.be.to_numpy(forward(self.be, self.weights, self.kv, part, pos, prompt=True,
+                                                 all_logits=all_logits)))
         return np.concatenate(outs) if all_logits else outs[-1][-1]
 
     def decode_one_token(self, token: int, pos: int) -> np.ndarray:
         """One step: the token at `pos` goes through every layer -> logits (vocab,)."""
         ids, p = np.array([token], np.int32), np.array([pos], np.int32)
-        return self.be.to_numpy(forward(self.be, self.weights, self.kv, self.be.asarray(ids),
-                                        self.be.asarray(p)))[-1]
+        return self.be.to_numpy(forward(self.be, self.weights, self.kv, ids, p, prompt=False))[-1]
     # --8<-- [end:verbs]
 
     def score(self, ids) -> np.ndarray:
         """Teacher-forced logits (len(ids), vocab) float32: row p predicts token p + 1."""
+        return np.concatenate([logits for _, logits in self.score_chunks(ids)])
+
+    def score_chunks(self, ids, windows_from: int | None = None, window: int = 8):
+        """Teacher-forced logits chunk by chunk: yields (start, logits (n, vocab)).
+
+        Positions before `windows_from` go through prompt chunks (dense attention); later
+        ones through decode windows of `window` tokens, the path that selects blocks (QSA)
+        and resolves them, so its quality cost shows up in the logits."""
         ids = [int(i) for i in ids]
         if not ids:
             raise StrataError("score needs at least one token")
         if len(ids) > self.settings.max_context:
             raise StrataError(f"{len(ids)} tokens do not fit --max-context {self.settings.max_context}")
-        return self.prefill(ids, all_logits=True)
+        split = len(ids) if windows_from is None else min(max(windows_from, 1), len(ids))
+        chunk = self.settings.prefill_chunk
+        for s in range(0, split, chunk):
+            part = np.asarray(ids[s:min(s + chunk, split)], np.int32)
+            pos = np.arange(s, s + len(part), dtype=np.int32)
+            yield s, self.be.to_numpy(forward(self.be, self.weights, self.kv, part, pos, prompt=True,
+                                              all_logits=True))
+        for s in range(split, len(ids), window):
+            part = np.asarray(ids[s:s + window], np.int32)
+            pos = np.arange(s, s + len(part), dtype=np.int32)
+            yield s, self.be.to_numpy(forward(self.be, self.weights, self.kv, part, pos, prompt=False,
+                                              all_logits=True))
 
     def generate(self, prompt: str, max_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int | None = None, chat: bool = True) -> Iterator[str]:

@@ -9,18 +9,22 @@ from ..model.weights import ModelWeights
 
 
 # --8<-- [start:forward]
-def forward(be, w: ModelWeights, kv, ids, positions, all_logits: bool = False):
-    """ids, positions (n,) int32 -> logits (n or 1, vocab) float32."""
+def forward(be, w: ModelWeights, kv, ids, positions, prompt: bool, all_logits: bool = False):
+    """ids, positions (n,) int32 NumPy -> logits (n or 1, vocab) float32.
+
+    prompt: a prompt chunk (attends every earlier cell) rather than a decode step or
+    verify window (attends the blocks its queries select)."""
     cfg = w.config
     n, eps = len(ids), cfg.rms_eps
-    x = be.embed(w.token_embd, ids)  # (n, d) the residual stream
-    cos, sin = be.embed(w.rope_cos, positions), be.embed(w.rope_sin, positions)  # (n, hd/2)
+    pos = be.asarray(positions)
+    x = be.embed(w.token_embd, be.asarray(ids))  # (n, d) the residual stream
+    cos, sin = be.embed(w.rope_cos, pos), be.embed(w.rope_sin, pos)  # (n, hd/2)
     for layer, L in enumerate(w.layers):
         h = be.rmsnorm(x, L.attn_norm, eps)
         qkv = be.matmul(h, L.wqkv)  # (n, (n_heads + 2 n_kv) hd)
         q, k, v = be.rope_qkv(qkv, cos, sin, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim)
-        kv.append(layer, positions, k, v)  # host copy + VRAM through the one writer
-        a = kv.attend(layer, q, positions)  # (n, n_heads, hd)
+        kv.append(layer, positions, k, v, prompt)  # host copy + VRAM through the one writer
+        a = kv.attend(layer, q, positions, prompt)  # (n, n_heads, hd)
         x = be.add_(x, be.matmul(a.reshape(n, cfg.n_heads * cfg.head_dim), L.wo))
         h = be.rmsnorm(x, L.ffn_norm, eps)
         x = be.add_(x, be.matmul(be.swiglu(be.matmul(h, L.wgate_up)), L.wdown))

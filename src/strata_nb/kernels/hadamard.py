@@ -16,11 +16,10 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda, float32
 
-from strata_nb.kernels.device_args import DeviceArgs, is_host_numpy
+from strata_nb.kernels.launch import DeviceArgs, grid_for, is_host_numpy
 
 N = 64  # values per transform: one head row of the default model
 SCALE = np.float32(1 / 8)  # 1 / sqrt(64): makes H orthonormal; a power of two, so exact
-THREADS = 64  # rows per thread block; a row is one thread's work
 
 
 # --8<-- [start:hadamard_ref]
@@ -79,8 +78,9 @@ def hadamard_kernel(x,    # (rows, 64) float32
 
 def hadamard(x):
     """Like hadamard_ref. x: (..., 64k) float32, NumPy or device; returns the same kind."""
+    *_, width = x.shape  # not x.shape[-1]: the simulator's device shapes refuse index -1
     assert x.dtype == np.float32, f"x is {x.dtype}, want float32"
-    assert x.shape[-1] % N == 0, f"last axis {x.shape[-1]} is not a multiple of {N}"
+    assert width % N == 0, f"last axis {width} is not a multiple of {N}"
     n_rows = x.size // N
     out = np.empty(x.shape, np.float32) if is_host_numpy(x) else cuda.device_array(x.shape, np.float32)
     if n_rows == 0:
@@ -88,5 +88,5 @@ def hadamard(x):
     with DeviceArgs() as dev:
         rows_in = dev.read(x).reshape(n_rows, N)
         rows_out = dev.write(out).reshape(n_rows, N)
-        hadamard_kernel[(n_rows + THREADS - 1) // THREADS, THREADS](rows_in, rows_out)
+        hadamard_kernel[grid_for(n_rows)](rows_in, rows_out)
     return out

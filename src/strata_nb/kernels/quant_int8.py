@@ -4,16 +4,16 @@
     code  = clamp(rint(x / float32(scale)), -127, 127)     computed against the STORED scale
     x'    = code * scale                                    in float32
 
-Dividing by the stored fp16 scale, not the float32 one it came from, is what makes
-dequantization reproduce the codes' intent: the reader only ever sees the fp16 value.
+Dividing by the stored fp16 scale, not the float32 quotient it was rounded from, picks
+the codes for the scale a reader will actually multiply by.
 
 Values that are not ordinary (the policy, shared with q4_0, applied to every input value
 before anything else, in the kernel and the reference alike):
 - NaN becomes 0: a NaN in one value would otherwise poison the scale of all 64.
 - +-inf and finite values beyond +-65504 (the largest fp16) are clamped to +-65504, so a
   scale never overflows to inf (65504 / 127 and 65504 / 8 are both fine in fp16).
-- Values with |x| < 2^-120 become a zero of the same sign (flush-to-zero, as GPUs do with
-  denormals). They are far below fp16's smallest step (6e-8), so they dequantize to 0
+- Values with |x| < 2^-120 become a zero of the same sign (as flush-to-zero hardware does
+  with denormals). They are far below fp16's smallest step (6e-8), so they dequantize to 0
   either way; flushing them keeps q4_0's 1/d finite (see quant_q4_0.py).
 Rounding is half to even: np.rint in the reference, round() (llrintf) in the kernel.
 A scale of 0 (an all-zero group, or max|x| below fp16's range) gives codes 0.
@@ -23,13 +23,12 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda, float32
 
-from strata_nb.kernels.device_args import DeviceArgs, is_host_numpy
+from strata_nb.kernels.launch import DeviceArgs, grid_for, is_host_numpy
 from strata_nb.kv.formats import INT8_GROUP
 
 F16_MAX = np.float32(65504.0)  # the largest finite fp16
 TINY = np.float32(2.0**-120)  # below this, a value is flushed to zero
 LEVELS = np.float32(127.0)  # codes use -127..127: symmetric, -128 is never produced
-THREADS = 64  # groups per thread block; a group is one thread's work
 
 
 # --8<-- [start:sanitize]
@@ -96,11 +95,12 @@ def quantize_int8_group(x,       # (head_dim,) float32: one head row
 
 
 @cuda.jit(device=True)
-def dequantize_int8_value(codes,   # (head_dim,) int8: one head row
-                          scales,  # (head_dim // 64,) float16
-                          j):      # which value of the row
-    # A 7-bit code times an 11-bit fp16 significand fits float32's 24 bits: exact.
-    return float32(codes[j]) * float32(scales[j // INT8_GROUP])
+def dequantize_int8_row(codes,   # (head_dim,) int8: one head row
+                        scales,  # (head_dim // 64,) float16
+                        out):    # (>= head_dim,) float32, written
+    for j in range(codes.shape[0]):
+        # A 7-bit code times an 11-bit fp16 significand fits float32's 24 bits: exact.
+        out[j] = float32(codes[j]) * float32(scales[j // INT8_GROUP])
 # --8<-- [end:quantize_int8_device]
 
 
@@ -119,18 +119,17 @@ def quantize_int8_kernel(x,       # (rows, 64k) float32
 
 def quantize_int8(x):
     """Like quantize_int8_ref. x: (..., 64k) float32, NumPy or device; returns the same kind."""
+    *lead, width = x.shape  # not x.shape[-1]: the simulator's device shapes refuse index -1
     assert x.dtype == np.float32, f"x is {x.dtype}, want float32"
-    assert x.shape[-1] % INT8_GROUP == 0, f"last axis {x.shape[-1]} is not a multiple of {INT8_GROUP}"
-    scales_shape = (*x.shape[:-1], x.shape[-1] // INT8_GROUP)
+    assert width % INT8_GROUP == 0, f"last axis {width} is not a multiple of {INT8_GROUP}"
+    groups, n_rows = width // INT8_GROUP, int(np.prod(lead))
     alloc = np.empty if is_host_numpy(x) else cuda.device_array
-    codes, scales = alloc(x.shape, np.int8), alloc(scales_shape, np.float16)
-    n_rows = x.size // x.shape[-1] if x.size else 0
-    lanes = n_rows * scales_shape[-1]
-    if lanes == 0:
+    codes, scales = alloc(x.shape, np.int8), alloc((*lead, groups), np.float16)
+    if n_rows * groups == 0:
         return codes, scales
     with DeviceArgs() as dev:
-        quantize_int8_kernel[(lanes + THREADS - 1) // THREADS, THREADS](
-            dev.read(x).reshape(n_rows, x.shape[-1]),
-            dev.write(codes).reshape(n_rows, x.shape[-1]),
-            dev.write(scales).reshape(n_rows, scales_shape[-1]))
+        quantize_int8_kernel[grid_for(n_rows * groups)](
+            dev.read(x).reshape(n_rows, width),
+            dev.write(codes).reshape(n_rows, width),
+            dev.write(scales).reshape(n_rows, groups))
     return codes, scales

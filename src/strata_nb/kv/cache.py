@@ -1,64 +1,211 @@
-"""The KV cache: every layer's pool, page table and (when streaming) host copy.
+"""The KV cache: every layer's pool, page table and, when streaming, host copy and slots.
 
-Fully resident (`--kv-resident 0`): each layer's pool has a slot for every block of the
-context and the page table is the identity, so block b lives in slot b. The engine above
-only calls `append` (the one writer) and `attend`.
+Fully resident (`--kv-resident 0`): a layer's pool has a slot for every block of the
+context and its page table is the identity. Streaming (`--kv-resident N`): the host copy
+holds every block and is authoritative; the pool holds the ring (recent window) and the
+slot pool (older blocks, CLOCK); a prompt chunk attends over a staging pool. The engine
+above only calls `append` and `attend`; both modes run the same kernels on the same bytes,
+so their attention outputs are bitwise equal.
 """
 from __future__ import annotations
 
+import sys
+from dataclasses import dataclass
+
 import numpy as np
 
-from .formats import BLOCK, pool_arrays, rotates
-from .writer import append_cells
+from ..errors import StrataError
+from .formats import BLOCK, kv_block_bytes, pool_arrays, rotates
+from .select import all_blocks_upto, select_blocks
+from .slots import SlotTable, StreamCounters
+from .writer import KVDest, append_cells
+
+MIN_POOL_BLOCKS = 4  # slot-pool blocks beyond the ring at the minimum resident size
+MAX_STEP_QUERIES = 8  # a decode step (1) or a verify window (<= 8)
 
 
-class LayerKV:
-    """One layer's K/V as the kernels see it."""
+@dataclass(frozen=True)
+class StreamPlan:
+    n_blocks: int  # blocks per layer in the host copy (the whole context)
+    n_ring: int  # ring slots: the recent window
+    n_pool: int  # slot-pool slots: older blocks
 
-    def __init__(self, be, fmt: str, n_kv: int, head_dim: int, n_slots: int, n_blocks: int, host: bool):
+    @property
+    def resident_cells(self) -> int:
+        return (self.n_ring + self.n_pool) * BLOCK
+
+    @staticmethod
+    def minimum_cells(kv_window: int) -> int:
+        return kv_window + MIN_POOL_BLOCKS * BLOCK
+
+    @classmethod
+    def from_settings(cls, s, n_blocks: int) -> "StreamPlan | None":
+        """None = fully resident. Clamps --kv-resident up to its minimum and says so."""
+        if s.kv_resident == 0:
+            return None
+        minimum = cls.minimum_cells(s.kv_window)
+        cells = s.kv_resident
+        if cells < minimum:
+            print(f"strata-nb: --kv-resident {cells} is below the minimum {minimum} (--kv-window {s.kv_window} "
+                  f"+ {MIN_POOL_BLOCKS} slot-pool blocks); using {minimum}", file=sys.stderr)
+            cells = minimum
+        if cells >= n_blocks * BLOCK:
+            print(f"strata-nb: --kv-resident {cells} holds the whole context of {n_blocks * BLOCK} cells; "
+                  "running fully resident", file=sys.stderr)
+            return None
+        n_ring = s.kv_window // BLOCK
+        return cls(n_blocks, n_ring, cells // BLOCK - n_ring)
+
+
+class LayerKV(KVDest):
+    """One layer: the pool ("VRAM", by slot), its page table, the host copy (by block)."""
+
+    def __init__(self, be, fmt, n_kv, head_dim, n_blocks, plan: StreamPlan | None, qsa: bool):
         arrays = pool_arrays(fmt, head_dim)
-        # pool[field]: (n_slots, n_kv, BLOCK, per_head) -- "VRAM", indexed by slot
-        self.pool = {a.field: be.zeros((n_slots, n_kv, BLOCK, a.per_head), a.dtype) for a in arrays}
-        # host[field]: (n_blocks, n_kv, BLOCK, per_head) -- the authoritative copy, by block
-        self.host = ({a.field: be.host_array((n_blocks, n_kv, BLOCK, a.per_head), a.dtype) for a in arrays}
-                     if host else None)
-        # page_table: (n_blocks,) int32 logical block -> slot, -1 = not in VRAM
-        self.page_table = be.asarray(np.arange(n_blocks, dtype=np.int32))
+        n_slots = n_blocks if plan is None else plan.n_ring + plan.n_pool
+        pool = {a.field: be.zeros((n_slots, n_kv, BLOCK, a.per_head), a.dtype) for a in arrays}
+        host = None if plan is None else {
+            a.field: be.host_array((n_blocks, n_kv, BLOCK, a.per_head), a.dtype) for a in arrays}
+        self.slots = None if plan is None else SlotTable(n_blocks, plan.n_ring, plan.n_pool)
+        table = np.arange(n_blocks, dtype=np.int32) if plan is None else self.slots.page_table
+        super().__init__(pool, be.asarray(table), host)
+        # QSA bounds: (n_blocks, n_kv, hd) float32 min and max of K per block and head
+        self.kmin = be.zeros((n_blocks, n_kv, head_dim), np.float32) if qsa else None
+        self.kmax = be.zeros((n_blocks, n_kv, head_dim), np.float32) if qsa else None
 
 
 class KVCache:
-    def __init__(self, be, cfg, fmt: str, max_context: int, fault: str = "none"):
-        self.be, self.cfg, self.fmt, self.fault = be, cfg, fmt, fault
-        self.max_context = max_context
-        self.n_blocks = -(-max_context // BLOCK)
-        self.layers = [LayerKV(be, fmt, cfg.n_kv_heads, cfg.head_dim, self.n_blocks, self.n_blocks, host=False)
-                       for _ in range(cfg.n_layers)]
+    def __init__(self, be, cfg, settings):
+        self.be, self.cfg, self.fmt = be, cfg, settings.kv
+        self.fault, self.qsa_budget = settings.fault, settings.qsa_budget
+        self.window_blocks = settings.kv_window // BLOCK
+        self.n_blocks = -(-settings.max_context // BLOCK)
+        self.plan = StreamPlan.from_settings(settings, self.n_blocks)
+        self.block_bytes = kv_block_bytes(self.fmt, cfg.n_kv_heads, cfg.head_dim)
+        self.layers = [LayerKV(be, self.fmt, cfg.n_kv_heads, cfg.head_dim, self.n_blocks, self.plan,
+                               qsa=self.qsa_budget > 0) for _ in range(cfg.n_layers)]
+        identity = be.asarray(np.arange(self.n_blocks, dtype=np.int32))
+        self.stage = None if self.plan is None else KVDest(
+            {f: be.zeros((self.n_blocks,) + tuple(a.shape[1:]), a.dtype)
+             for f, a in self.layers[0].pool.items()}, identity, None)
+        self.counters = StreamCounters()
         self._hadamard = be.op("hadamard")
         self._attention = be.op("attention")
 
-    def append(self, layer: int, positions, k, v):
-        """k, v (n, n_kv, hd) float32 after RoPE -> written into the cache at `positions`."""
+    @property
+    def streamed(self) -> bool:
+        return self.plan is not None
+
+    def describe(self) -> str:
+        if not self.streamed:
+            return f"KV fully resident: {self.n_blocks * BLOCK} cells per layer in VRAM"
+        host_bytes = self.block_bytes * self.n_blocks * self.cfg.n_layers
+        return (f"KV streaming: {self.plan.resident_cells} of {self.n_blocks * BLOCK} cells per layer in VRAM, "
+                f"the K/V in {host_bytes / 2**30:.2f} GiB of pinned RAM")
+
+    # ---- the two verbs the forward pass calls -------------------------------------------
+    # --8<-- [start:append]
+    def append(self, layer: int, positions: np.ndarray, k, v, prompt: bool):
+        """k, v (n, n_kv, hd) float32 after RoPE, at `positions` (n,) -> the cache."""
         if "k" in rotates(self.fmt):
             k = self._hadamard(k)
         if "v" in rotates(self.fmt):
             v = self._hadamard(v)
-        append_cells(self.be, self.fmt, self.layers[layer], positions, k, v, fault=self.fault)
+        L = self.layers[layer]
+        pos = self.be.asarray(positions)
+        if self.streamed:
+            first, last = int(positions[0]), int(positions[-1])
+            refill = L.slots.map_ring(first, last)  # the ring follows the writes
+            self._move(L.host, L.pool, refill)
+            self.counters.refills += len(refill)
+            self._upload_table(L)
+            if prompt:  # the stage receives the blocks before the chunk from the host copy
+                before = -(-first // BLOCK)
+                self._move(L.host, self.stage.pool, [(b, b) for b in range(before)])
+                self.counters.staged_blocks += before
+                append_cells(self.be, self.fmt, self.stage, pos, k, v)
+        append_cells(self.be, self.fmt, L, pos, k, v, self.fault)  # host copy always, slot if resident
+        if L.kmin is not None:
+            self.be.op("block_bounds")(k, pos, L.kmin, L.kmax)
+    # --8<-- [end:append]
 
-    def attend(self, layer: int, q, positions):
+    # --8<-- [start:attend]
+    def attend(self, layer: int, q, positions: np.ndarray, prompt: bool):
         """q (n, n_heads, hd) float32 at `positions` -> attention output (n, n_heads, hd)."""
         if "q" in rotates(self.fmt):
             q = self._hadamard(q)  # <Hq, Hk> = <q, k>: the rotation cancels in the scores
-        blocks = self.be.asarray(all_blocks_upto(self.be.to_numpy(positions)))
         L = self.layers[layer]
+        if prompt:  # a prompt chunk reads every earlier cell: the pool, or the stage when streaming
+            blocks, src = all_blocks_upto(positions), (self.stage if self.streamed else L)
+        else:
+            blocks, src = self.select(L, q, positions), L
+            if self.streamed:
+                copies = L.slots.resolve(blocks, self.counters)
+                self._move(L.host, L.pool, copies)
+                self.counters.copies += len(copies)
+                self._upload_table(L)
         out = self.be.zeros(q.shape, np.float32)
-        self._attention(self.fmt, q, positions, blocks, L.page_table, L.pool, L.host, out)
+        self._attention(self.fmt, q, self.be.asarray(positions), self.be.asarray(blocks), src.page_table,
+                        src.pool, src.host, out)
         if "v" in rotates(self.fmt):
-            out = self._hadamard(out)  # mixed rotated V rows: rotate back once (H is its own inverse)
+            out = self._hadamard(out)  # attention mixed rotated V rows: rotate back once (H = H^-1)
         return out
+    # --8<-- [end:attend]
 
+    def select(self, L, q, positions) -> np.ndarray:
+        if self.qsa_budget == 0:
+            return all_blocks_upto(positions)
+        scores = self.be.zeros((q.shape[0], self.n_blocks), np.float32)
+        self.be.op("block_scores")(q, L.kmin, L.kmax, scores)
+        return select_blocks(self.be.to_numpy(scores), positions, self.window_blocks, self.qsa_budget)
 
-def all_blocks_upto(positions: np.ndarray) -> np.ndarray:
-    """(n,) positions -> (n, max_block + 1) int32: each query's blocks 0..pos//BLOCK, -1 padded."""
-    last = np.asarray(positions) // BLOCK
-    cols = np.arange(int(last.max()) + 1, dtype=np.int32)
-    return np.where(cols[None, :] <= last[:, None], cols[None, :], -1).astype(np.int32)
+    # ---- movers: every one copies the format's runs, none knows a format ----------------
+    def _move(self, src: dict, dst: dict, pairs):
+        if not pairs:
+            return
+        from ..kernels.copy_runs import as_words
+
+        src_index = self.be.asarray(np.array([s for s, _ in pairs], np.int32))
+        dst_index = self.be.asarray(np.array([d for _, d in pairs], np.int32))
+        for field in dst:
+            self.be.op("copy_runs")(as_words(src[field]), as_words(dst[field]), src_index, dst_index)
+        self.counters.bytes_moved += len(pairs) * self.block_bytes
+
+    def _upload_table(self, L):
+        self.be.copy_into(L.page_table, L.slots.page_table)
+
+    # ---- snapshots: the host copy rewritten wholesale, then the ring restored ----------
+    def snapshot(self, end: int) -> dict:
+        """The K/V bytes (and QSA bounds) of cells [0, end), as host arrays."""
+        nb = -(-end // BLOCK)
+        layers = []
+        for L in self.layers:
+            src = L.host if self.streamed else L.pool
+            layers.append({f: self.be.to_numpy(a)[:nb].copy() for f, a in src.items()} |
+                          ({"kmin": self.be.to_numpy(L.kmin)[:nb].copy(), "kmax": self.be.to_numpy(L.kmax)[:nb].copy()}
+                           if L.kmin is not None else {}))
+        return {"fmt": self.fmt, "end": end, "layers": layers}
+
+    def restore(self, snap: dict):
+        """Rewrite the host copy (or the resident pool) from a snapshot; reset the slot table
+        and refill the ring, so nothing in VRAM can be stale."""
+        if snap["fmt"] != self.fmt or len(snap["layers"]) != len(self.layers):
+            raise StrataError("snapshot does not match this cache's format or layer count")
+        from ..kernels.copy_runs import as_words
+
+        end_block = -(-snap["end"] // BLOCK)
+        if end_block > self.n_blocks:
+            raise StrataError(f"snapshot of {snap['end']} cells does not fit {self.n_blocks * BLOCK}")
+        index = self.be.asarray(np.arange(end_block, dtype=np.int32))
+        for L, saved in zip(self.layers, snap["layers"]):
+            dst = L.host if self.streamed else L.pool
+            for f in dst:
+                self.be.op("copy_runs")(as_words(saved[f]), as_words(dst[f]), index, index)
+            if L.kmin is not None:
+                self.be.copy_into(L.kmin[:end_block], saved["kmin"])
+                self.be.copy_into(L.kmax[:end_block], saved["kmax"])
+            if self.streamed:
+                for f in L.pool:
+                    self.be.op("ring_restore")(as_words(L.host[f]), as_words(L.pool[f]), end_block, self.plan.n_ring)
+                L.slots.reset_to_ring(end_block)
+                self._upload_table(L)

@@ -34,6 +34,7 @@ class PoolArray:
         return BLOCK * n_kv_heads * self.per_head * self.dtype.itemsize
 
 
+# --8<-- [start:pool_arrays]
 def pool_arrays(fmt: str, head_dim: int) -> tuple[PoolArray, ...]:
     """The arrays of a format's pool, in run order (DESIGN.md, 'KV cells, blocks, formats')."""
     check_format(fmt, FORMATS)
@@ -51,6 +52,7 @@ def pool_arrays(fmt: str, head_dim: int) -> tuple[PoolArray, ...]:
         "q4_0": (q4("k"), q4("v")),
         "k8v4": (codes("k"), scales("k"), q4("v")),
     }[fmt]
+# --8<-- [end:pool_arrays]
 
 
 def runs_of(fmt: str, n_kv_heads: int, head_dim: int) -> list[tuple[str, str, int]]:

@@ -54,10 +54,12 @@ def ensure_default_model(progress: bool = True) -> Path:
 
 
 def fetch(progress: bool = True) -> Path:
-    """Download, extract and verify the default model; returns its path."""
+    """Download, extract and verify the default model (unless a verified copy is there)."""
     from tqdm import tqdm
 
     dest = default_model_path()
+    if dest.is_file() and dest.stat().st_size == SIZE and _sha256(dest) == SHA256:
+        return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
         if progress:

@@ -28,8 +28,8 @@ class ModelWeights:
     output: object  # (vocab, d): the output head (the same array as token_embd when tied)
     output_norm: object  # (d,)
     layers: list[LayerWeights]
-    rope_cos: object  # (max_context, hd/2) float32
-    rope_sin: object  # (max_context, hd/2) float32
+    rope_cos: object  # (context_length, hd/2) float32
+    rope_sin: object  # (context_length, hd/2) float32
 
 
 def rope_tables(cfg: ModelConfig, n_pos: int) -> tuple[np.ndarray, np.ndarray]:
@@ -45,7 +45,7 @@ def rope_tables(cfg: ModelConfig, n_pos: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 # --8<-- [start:load_weights]
-def load_weights(be, model: GGUFModel, max_context: int) -> ModelWeights:
+def load_weights(be, model: GGUFModel) -> ModelWeights:
     cfg = model.config
     t = model.tensor
     layers = []
@@ -61,7 +61,7 @@ def load_weights(be, model: GGUFModel, max_context: int) -> ModelWeights:
         ))
     embd = be.matrix(t("token_embd.weight"))
     output = be.matrix(t("output.weight")) if model.has("output.weight") else embd  # tied
-    cos, sin = rope_tables(cfg, max_context)
+    cos, sin = rope_tables(cfg, cfg.context_length)  # every position the model was trained for
     return ModelWeights(cfg, embd, output, be.vector(t("output_norm.weight")), layers,
                         be.asarray(cos), be.asarray(sin))
 # --8<-- [end:load_weights]

@@ -1,0 +1,126 @@
+"""The cuda backend: device arrays and the @cuda.jit kernels (or Numba's simulator of them).
+
+The host copy lives in mapped pinned memory (`cuda.mapped_array`): page-locked, so copies
+from it run at full PCIe/NVLink speed, and mapped into the device's address space, so a
+kernel can read a block in place when no VRAM slot is free for it.
+
+Weights stay in their GGUF form on the device (`DeviceMatrix`: raw rows + qtype) and are
+dequantized inside the matvec/matmul/embed kernels, so a decode step reads each weight
+once at its stored size. The model ops below mirror NumpyBackend's one for one; each
+returns a new device array, except `add_`, which adds in place.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+import numpy as np
+from numba import cuda
+
+from ..errors import StrataError
+from ..kernels import embed, matmul, matvec, residual, rmsnorm, rope, swiglu
+from ..model.dequant import dequantize
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceMatrix:
+    """A weight matrix on the device as GGUF stores it: W (out, in) once dequantized."""
+
+    qtype: str  # "Q4_0", "Q4_1", "Q8_0", "F16" or "F32"
+    shape: tuple[int, int]  # (out, in)
+    raw: object  # (out, bytes_per_row) uint8 device array: the GGUF rows
+
+
+class CudaBackend:
+    name = "cuda"
+    device = "cuda"
+
+    def zeros(self, shape, dtype):
+        return cuda.to_device(np.zeros(shape, dtype))
+
+    def asarray(self, a, dtype=None):
+        if isinstance(a, np.ndarray) or not hasattr(a, "copy_to_host"):
+            return cuda.to_device(np.ascontiguousarray(a, dtype=dtype))
+        return a
+
+    def to_numpy(self, a) -> np.ndarray:
+        return a.copy_to_host() if hasattr(a, "copy_to_host") else np.asarray(a)
+
+    def host_array(self, shape, dtype):
+        """Pinned, device-mapped host memory: the authoritative host copy."""
+        a = cuda.mapped_array(shape, dtype)
+        a[...] = 0
+        return a
+
+    def copy_into(self, dst, src):
+        """dst (device) <- src (host table or array)."""
+        if dst is src:
+            return
+        if hasattr(dst, "copy_to_device"):
+            dst.copy_to_device(np.ascontiguousarray(src))
+        else:
+            dst[...] = src
+
+    def op(self, name: str):
+        """The launcher of kernel file `kernels/<name>.py`."""
+        return getattr(importlib.import_module(f"strata_nb.kernels.{name}"), name)
+
+    # ---- weights ------------------------------------------------------------------------
+    def matrix(self, *qtensors) -> DeviceMatrix:
+        """The tensors' GGUF rows stacked (fused q|k|v, gate|up) and copied to the device
+        once; they stay quantized there."""
+        qtypes = {t.qtype for t in qtensors}
+        if len(qtypes) != 1:
+            raise StrataError("tensors fused into one matrix must share a type: "
+                              + ", ".join(f"{t.name} is {t.qtype}" for t in qtensors))
+        qtype = qtypes.pop()
+        if qtype not in matvec.QTYPES:
+            raise StrataError(f"{qtensors[0].name} is {qtype}; the cuda backend reads {', '.join(matvec.QTYPES)}")
+        raw = np.concatenate([np.ascontiguousarray(t.raw) for t in qtensors], axis=0)
+        return DeviceMatrix(qtype, (raw.shape[0], matvec.row_values(qtype, raw.shape[1])), cuda.to_device(raw))
+
+    def vector(self, qtensor):
+        return cuda.to_device(np.ascontiguousarray(dequantize(qtensor.raw, qtensor.qtype).reshape(-1)))
+
+    # ---- ops: NumpyBackend's, on the device ---------------------------------------------
+    # --8<-- [start:cuda_ops]
+    def embed(self, table, ids):
+        # table: a DeviceMatrix (vocab, d) or a (rows, d) float32 array; ids (n,) int32 -> (n, d)
+        ids = self.asarray(ids, np.int32)
+        out = cuda.device_array((ids.shape[0], table.shape[1]), np.float32)
+        if isinstance(table, DeviceMatrix):
+            embed.embed(table.raw, ids, out, table.qtype)
+        else:
+            embed.embed(table, ids, out)
+        return out
+
+    def matmul(self, x, w: DeviceMatrix):
+        # x (n, in) float32, w (out, in) -> (n, out): matvec for a step or verify window,
+        # the tiled matmul for a prompt chunk
+        y = cuda.device_array((x.shape[0], w.shape[0]), np.float32)
+        (matvec.matvec if x.shape[0] <= matvec.MAX_ROWS else matmul.matmul)(x, w.raw, w.qtype, y)
+        return y
+
+    def rmsnorm(self, x, w, eps: float):
+        out = cuda.device_array(x.shape, np.float32)
+        rmsnorm.rmsnorm(x, w, eps, out)
+        return out
+
+    def rope_qkv(self, qkv, cos, sin, n_heads: int, n_kv: int, hd: int):
+        n = qkv.shape[0]
+        q = cuda.device_array((n, n_heads, hd), np.float32)
+        k = cuda.device_array((n, n_kv, hd), np.float32)
+        v = cuda.device_array((n, n_kv, hd), np.float32)
+        rope.rope_qkv(qkv, cos, sin, q, k, v)
+        return q, k, v
+
+    def swiglu(self, gate_up):
+        out = cuda.device_array((gate_up.shape[0], gate_up.shape[1] // 2), np.float32)
+        swiglu.swiglu(gate_up, out)
+        return out
+
+    def add_(self, x, y):
+        residual.residual(x, y)
+        return x
+    # --8<-- [end:cuda_ops]
+

@@ -1,0 +1,263 @@
+"""GQA attention over selected KV blocks, for every KV format, dequantizing as it reads.
+
+Index legend: Q queries, H query heads, G = H // n_kv query heads per KV head (GQA),
+D head_dim, S selected blocks per query, U the union of all queries' selected blocks,
+C = U * 16 cells.
+
+Query i, head h attends to the cells of its selected blocks whose position is <= q_pos[i],
+through KV head h // G, with scores q.k / sqrt(D) and a softmax over those cells. A block
+b is read from the VRAM pool at slot page_table[b] when resident, else in place from the
+host copy at b: the bytes are the same either way (the one writer, kv_append_*.py).
+The output is in V's stored space: rotated for q4_0 and k8v4, so the caller applies H
+(hadamard.py) once to come back. q is rotated by the caller for q4_0 (K is rotated
+there), and not for k8v4 (K is not).
+
+The reference is also the engine's CPU path, called for prefill chunks of 256 queries
+over up to 8192 cells, so it is vectorized: gather and dequantize the union of the
+selected blocks once, one masked float32 softmax, matmuls. Its result depends only on the
+bytes it reads, so reading from the pool or from the host copy gives the same bits.
+Cells that no query in the call can see (the unwritten tail of the newest block) count as
+zero, as they do in the kernel, which never reads them.
+
+Kernel vs reference tolerance: |kernel - ref| <= ATOL + RTOL * |ref|, for V values of
+order 1. Both compute in float32 on identical dequantized values (dequantization is exact
+in both); they differ only in the order of float32 sums (a 64-term dot product per score,
+the kernel's block-by-block online softmax against one max and one sum, a sum over up to
+S * 16 cells per output) and in exp (CUDA's expf is within 2 ulp). Each of those is a
+few ulp (float32 eps = 1.2e-7) of the values summed, so errors are around 1e-6 (the
+tests see at most 1.1e-6); the tolerance leaves over 10x headroom.
+
+Selections list distinct blocks; a query that sees no cell gets zeros.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import cuda, float32
+
+from strata_nb.kernels.launch import DeviceArgs, expect, expect_pool, host_or_absent
+from strata_nb.kernels.quant_int8 import dequantize_int8_ref, dequantize_int8_row
+from strata_nb.kernels.quant_q4_0 import dequantize_q4_0_ref, dequantize_q4_0_row
+from strata_nb.kv.formats import BLOCK, FORMATS, check_format, pool_arrays
+
+ATOL = 2e-5
+RTOL = 1e-4
+
+# How each format stores its (K, V) sides: "float" = fp32/fp16 values, "int8" = codes +
+# one fp16 scale per 64, "q4_0" = ggml blocks.
+SIDES = {"fp32": ("float", "float"), "fp16": ("float", "float"), "int8": ("int8", "int8"),
+         "q4_0": ("q4_0", "q4_0"), "k8v4": ("int8", "q4_0")}
+NEG_INF = np.float32(-np.inf)
+MAX_HEAD_DIM = 256  # shared tiles are sized at compile time: 2 x 16 x 256 floats = 32 KiB
+
+
+def score_scale(head_dim: int) -> np.float32:
+    return np.float32(1 / np.sqrt(head_dim))
+
+
+# --8<-- [start:attention_ref]
+def side_fields(kind: str, side: str) -> tuple[str, ...]:
+    """The pool fields one side ("k" or "v") of a format is stored in."""
+    return {"float": (side,), "int8": (f"{side}_q", f"{side}_s"), "q4_0": (f"{side}_q4",)}[kind]
+
+
+def gather_blocks(field, sel, page_table, pool, host):
+    """Blocks `sel` of one field, each from its slot if resident, else from the host copy."""
+    slots = page_table[sel]
+    resident = slots >= 0
+    out = np.empty((len(sel), *pool[field].shape[1:]), pool[field].dtype)  # (U, n_kv, 16, per_head)
+    out[resident] = pool[field][slots[resident]]
+    if not resident.all():
+        assert host is not None, "a selected block is not resident and there is no host copy"
+        out[~resident] = host[field][sel[~resident]]
+    return out
+
+
+def dequantize_side(kind, side, sel, page_table, pool, host):
+    """(n_kv, C, D) float32: one side of the selected blocks, cells in block order."""
+    raw = [gather_blocks(f, sel, page_table, pool, host) for f in side_fields(kind, side)]
+    values = {"float": lambda: raw[0].astype(np.float32),
+              "int8": lambda: dequantize_int8_ref(*raw),
+              "q4_0": lambda: dequantize_q4_0_ref(raw[0])}[kind]()  # (U, n_kv, 16, D)
+    return values.transpose(1, 0, 2, 3).reshape(values.shape[1], -1, values.shape[3])
+
+
+def attention_ref(fmt,
+                  q,           # (Q, H, D) float32, rotated when fmt == "q4_0"
+                  q_pos,       # (Q,) int32: query i sees cells with position <= q_pos[i]
+                  blocks,      # (Q, S) int32 selected logical blocks, -1 = padding
+                  page_table,  # (n_logical_blocks,) int32 slot, -1 = not resident
+                  pool,        # {field: (n_slots, n_kv, 16, per_head)} as formats.pool_arrays
+                  host,        # {field: (n_logical_blocks, n_kv, 16, per_head)}, or None
+                  out):        # (Q, H, D) float32, written
+    check_format(fmt, FORMATS)
+    # Unwritten cells may hold any bytes (NaN, inf, huge): they are masked out below, so
+    # the warnings their arithmetic raises on the way are noise.
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        out[...] = attend_ref(fmt, q, q_pos, blocks, page_table, pool, host)
+
+
+def attend_ref(fmt, q, q_pos, blocks, page_table, pool, host):
+    """attention_ref's arithmetic; returns the (Q, H, D) float32 output."""
+    n_q, n_heads, head_dim = q.shape
+    sel = np.unique(blocks[blocks >= 0])  # (U,) sorted, so the order never depends on residency
+    kind_k, kind_v = SIDES[fmt]
+    k = dequantize_side(kind_k, "k", sel, page_table, pool, host)  # (n_kv, C, D)
+    v = dequantize_side(kind_v, "v", sel, page_table, pool, host)  # (n_kv, C, D)
+    n_kv, n_cells = k.shape[0], k.shape[1]
+    group = n_heads // n_kv
+
+    # visible[i, c]: cell c is in query i's selection and not after q_pos[i].
+    chosen = np.zeros((n_q, len(sel)), bool)
+    rows, cols = np.nonzero(blocks >= 0)
+    chosen[rows, np.searchsorted(sel, blocks[rows, cols])] = True
+    cell_pos = (sel[:, None] * BLOCK + np.arange(BLOCK)).reshape(-1)  # (C,)
+    visible = np.repeat(chosen, BLOCK, axis=1) & (cell_pos[None, :] <= q_pos[:, None])  # (Q, C)
+    v = np.where(visible.any(axis=0)[None, :, None], v, np.float32(0))  # unseen cells: zero
+
+    # The G query heads of one KV head, for all queries, as the rows of one matmul.
+    qg = q.reshape(n_q, n_kv, group, head_dim).transpose(1, 0, 2, 3).reshape(n_kv, -1, head_dim)
+    scores = (qg @ k.transpose(0, 2, 1)) * score_scale(head_dim)  # (n_kv, Q * G, C)
+    scores = scores.reshape(n_kv, n_q, group, n_cells)
+    scores = np.where(visible[None, :, None, :], scores, NEG_INF)
+    top = scores.max(axis=-1, keepdims=True)
+    top = np.where(top == NEG_INF, np.float32(0), top)  # a query that sees nothing: exp(-inf) = 0
+    p = np.exp(scores - top)  # (n_kv, Q, G, C)
+    total = p.sum(axis=-1, keepdims=True)
+    mixed = (p.reshape(n_kv, -1, n_cells) @ v).reshape(n_kv, n_q, group, head_dim)
+    o = np.where(total > 0, mixed / total, np.float32(0))
+    return o.transpose(1, 0, 2, 3).reshape(n_q, n_heads, head_dim)
+# --8<-- [end:attention_ref]
+
+
+# --8<-- [start:attention_readers]
+# How the kernel unpacks one cell's row, for each way a side is stored. All take
+# (row_a, row_b, out), so one kernel body serves every format: (values, unused),
+# (int8 codes, fp16 scales) or (q4_0 bytes, the same bytes as float16).
+@cuda.jit(device=True)
+def read_float_row(values, unused, out):
+    for j in range(values.shape[0]):
+        out[j] = float32(values[j])
+
+
+READERS = {"float": read_float_row, "int8": dequantize_int8_row, "q4_0": dequantize_q4_0_row}
+# --8<-- [end:attention_readers]
+
+
+# --8<-- [start:attention_kernel]
+def make_attention_kernel(read_k, read_v):
+    """A kernel for one format, given how it unpacks K and V rows. Numba compiles each."""
+
+    @cuda.jit
+    def attention_kernel(q,           # (Q, H, D) float32
+                         q_pos,       # (Q,) int32
+                         blocks,      # (Q, S) int32, -1 = padding
+                         page_table,  # (n_logical_blocks,) int32
+                         scale,       # float32: 1 / sqrt(D)
+                         pool_ka, pool_kb, pool_va, pool_vb,  # K and V of the pool, by slot
+                         host_ka, host_kb, host_va, host_vb,  # the same by logical block, or (0, ...)
+                         out):        # (Q, H, D) float32, written
+        # One thread block per (query, head); thread t owns output dimension t. For each
+        # selected KV block: unpack its K and V rows into shared memory, score its 16
+        # cells, then fold them into an online softmax: a running max m, sum l and
+        # weighted sum acc, rescaled whenever a block raises the max, so every cell is
+        # read once and the scores of earlier blocks need not be kept.
+        qi, h, t = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x
+        head_dim = q.shape[2]
+        kv_h = h // (q.shape[1] // pool_ka.shape[1])  # consecutive query heads share a KV head
+        k_tile = cuda.shared.array((BLOCK, MAX_HEAD_DIM), float32)  # this block's K, unpacked
+        v_tile = cuda.shared.array((BLOCK, MAX_HEAD_DIM), float32)  # and its V
+        scores = cuda.shared.array(BLOCK, float32)
+        m, l, acc = NEG_INF, float32(0.0), float32(0.0)
+        for s in range(blocks.shape[1]):
+            b = blocks[qi, s]
+            if b < 0:  # padding: the same for every thread, so none skips a barrier alone
+                continue
+            slot = page_table[b]
+            r = slot if slot >= 0 else b
+            ka, kb = (pool_ka, pool_kb) if slot >= 0 else (host_ka, host_kb)
+            va, vb = (pool_va, pool_vb) if slot >= 0 else (host_va, host_vb)
+
+            # Threads 0..15 unpack K of cell t, threads 16..31 V of cell t - 16. Cells
+            # after the query are skipped: they may not be written yet.
+            c = t % BLOCK
+            visible = b * BLOCK + c <= q_pos[qi]
+            if t < BLOCK and visible:
+                read_k(ka[r, kv_h, c], kb[r, kv_h, c], k_tile[c])
+            elif t < 2 * BLOCK and visible:
+                read_v(va[r, kv_h, c], vb[r, kv_h, c], v_tile[c])
+            cuda.syncthreads()  # the tiles are complete before anyone reads them
+
+            if t < BLOCK:  # threads 0..15 score one cell each
+                if visible:
+                    dot = float32(0.0)
+                    for j in range(head_dim):
+                        dot += q[qi, h, j] * k_tile[t, j]
+                    scores[t] = dot * scale
+                else:
+                    scores[t] = NEG_INF
+            cuda.syncthreads()  # all 16 scores written before anyone reads them
+
+            block_max = NEG_INF
+            for c in range(BLOCK):
+                block_max = max(block_max, scores[c])
+            if block_max > NEG_INF:
+                m_new = max(m, block_max)
+                rescale = math.exp(m - m_new)  # l and acc were summed relative to the old max
+                l *= rescale
+                acc *= rescale
+                for c in range(BLOCK):
+                    if scores[c] > NEG_INF:
+                        p = math.exp(scores[c] - m_new)
+                        l += p
+                        acc += p * v_tile[c, t]
+                m = m_new
+            cuda.syncthreads()  # done with the tiles and scores before the next block
+        out[qi, h, t] = acc / l if l > 0 else float32(0.0)
+
+    return attention_kernel
+
+
+ATTENTION_KERNELS = {fmt: make_attention_kernel(READERS[k], READERS[v]) for fmt, (k, v) in SIDES.items()}
+# --8<-- [end:attention_kernel]
+
+
+def side_arrays(kind, side, arrays, dev):
+    """The two device arrays the kernel reads one side through (see the readers)."""
+    if kind == "float":
+        a = dev.read(arrays[side])
+        return a, a  # the second is unused; passing it keeps one kernel signature
+    if kind == "int8":
+        return dev.read(arrays[f"{side}_q"]), dev.read(arrays[f"{side}_s"])
+    a = dev.read(arrays[f"{side}_q4"])
+    return a, a.view(np.float16)  # d of block g at [9 * g]
+
+
+def attention(fmt, q, q_pos, blocks, page_table, pool, host, out):
+    """Like attention_ref, on the device; NumPy arguments are moved (out written back)."""
+    check_format(fmt, FORMATS)
+    expect("q", q, np.float32, (None, None, None))
+    n_q, n_heads, head_dim = q.shape
+    expect("q_pos", q_pos, np.int32, (n_q,))
+    expect("blocks", blocks, np.int32, (n_q, None))
+    expect("page_table", page_table, np.int32, (None,))
+    expect("out", out, np.float32, (n_q, n_heads, head_dim))
+    specs = pool_arrays(fmt, head_dim)
+    n_kv = pool[specs[0].field].shape[1]
+    assert n_heads % n_kv == 0, f"{n_heads} query heads do not share {n_kv} KV heads evenly"
+    assert head_dim <= MAX_HEAD_DIM, f"head_dim {head_dim} > {MAX_HEAD_DIM}, the shared tiles' width"
+    for spec in specs:
+        expect_pool(spec.field, pool[spec.field], spec, n_kv)
+    host = {s.field: host_or_absent(f"host {s.field}", (host or {}).get(s.field, np.empty(0)), s, n_kv)
+            for s in specs}
+    if n_q == 0:
+        return
+    kind_k, kind_v = SIDES[fmt]
+    with DeviceArgs() as dev:
+        ATTENTION_KERNELS[fmt][(n_q, n_heads), head_dim](
+            dev.read(q), dev.read(q_pos), dev.read(blocks), dev.read(page_table),
+            score_scale(head_dim),
+            *side_arrays(kind_k, "k", pool, dev), *side_arrays(kind_v, "v", pool, dev),
+            *side_arrays(kind_k, "k", host, dev), *side_arrays(kind_v, "v", host, dev),
+            dev.write(out))

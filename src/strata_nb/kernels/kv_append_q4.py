@@ -1,0 +1,93 @@
+"""KV append for q4_0 pools (and the rotated V half of k8v4): quantize each new cell, write it.
+
+The same writer as kv_append_fp16.py (read its docstring first): VRAM slot if resident,
+host copy if present, presence tested on the K-side host array (`host_k_q4`) alone. Each
+lane quantizes one 32-value block_q4_0 of one head of one cell, for K or for V, with
+quant_q4_0's device function, once into each destination. The values arrive already
+rotated (hadamard.py): rotating is the caller's step, so this kernel only quantizes.
+
+k8v4 calls this with its V half FOLDED: `k_q4 = v_q4 = pool.v_q4`, `host_k_q4 =
+host_v_q4 = host.v_q4`, `k_new = v_new = v_rot`. Passed unfolded, with only `host_v_q4`
+set, the K-side test finds no host copy and every host write is skipped, silently:
+cells written while their block is not resident are lost (kv_append_k8v4.py).
+`_ref` and the launcher take the same arguments and both write the given arrays in place.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import cuda
+
+from strata_nb.kernels.launch import DeviceArgs, expect_pool, expect_window, grid_for, host_or_absent
+from strata_nb.kernels.quant_q4_0 import quantize_q4_0_group, quantize_q4_0_ref
+from strata_nb.kv.formats import BLOCK, Q4_GROUP, pool_arrays
+
+
+# --8<-- [start:kv_append_q4_ref]
+def kv_append_q4_ref(k_new,       # (n, n_kv, head_dim) float32, rotated
+                     v_new,       # (n, n_kv, head_dim) float32, rotated
+                     positions,   # (n,) int32 absolute cell positions
+                     page_table,  # (n_logical_blocks,) int32 slot, -1 = not resident
+                     k_q4, v_q4,  # VRAM pool by slot: (n_slots, n_kv, 16, head_dim // 32 * 18) uint8
+                     host_k_q4, host_v_q4):  # host copy by logical block, size 0 = absent
+    block, cell = positions // BLOCK, positions % BLOCK
+    slot = page_table[block]
+    resident = slot >= 0
+    host_present = host_k_q4.shape[0] > 0  # the K-side array decides for both sides
+    for new, pool, host in ((k_new, k_q4, host_k_q4), (v_new, v_q4, host_v_q4)):
+        q4 = quantize_q4_0_ref(new)  # (n, n_kv, head_dim // 32 * 18)
+        pool[slot[resident], :, cell[resident]] = q4[resident]
+        if host_present:
+            host[block, :, cell] = q4
+# --8<-- [end:kv_append_q4_ref]
+
+
+# --8<-- [start:kv_append_q4_kernel]
+@cuda.jit
+def kv_append_q4_kernel(k_new, v_new,   # (n, n_kv, head_dim) float32
+                        positions,      # (n,) int32
+                        page_table,     # (n_logical_blocks,) int32
+                        k_q4, k_d,      # (n_slots, n_kv, 16, head_dim // 32 * 18) uint8, and the
+                        v_q4, v_d,      #   same bytes as float16 (... * 9): d of block g at [9 * g]
+                        host_k_q4, host_k_d, host_v_q4, host_v_d):  # the same by logical block, or (0, ...)
+    # One lane per (side, cell, head, 32-value block): a block shares one d, so its
+    # max|x| and its 16 code bytes belong to one thread. K lanes come first, then V lanes.
+    n, n_kv, head_dim = k_new.shape
+    groups = head_dim // Q4_GROUP
+    per_side = n * n_kv * groups
+    lane = cuda.grid(1)
+    if lane >= 2 * per_side:
+        return
+    side, rest = lane // per_side, lane % per_side
+    i, h, g = rest // (n_kv * groups), rest // groups % n_kv, rest % groups
+    block, cell = positions[i] // BLOCK, positions[i] % BLOCK
+    slot = page_table[block]
+    row = k_new[i, h] if side == 0 else v_new[i, h]  # (head_dim,) float32
+    if slot >= 0:
+        q4, d = (k_q4, k_d) if side == 0 else (v_q4, v_d)
+        quantize_q4_0_group(row, q4[slot, h, cell], d[slot, h, cell], g)
+    if host_k_q4.shape[0] > 0:  # presence is tested on the K side only, for both sides
+        host_q4, host_d = (host_k_q4, host_k_d) if side == 0 else (host_v_q4, host_v_d)
+        quantize_q4_0_group(row, host_q4[block, h, cell], host_d[block, h, cell], g)
+# --8<-- [end:kv_append_q4_kernel]
+
+
+def kv_append_q4(k_new, v_new, positions, page_table, k_q4, v_q4, host_k_q4, host_v_q4):
+    """Like kv_append_q4_ref, on the device; NumPy arguments are moved and written back."""
+    n, n_kv, head_dim = expect_window(k_new, v_new, positions, page_table)
+    spec = {a.field: a for a in pool_arrays("q4_0", head_dim)}
+    expect_pool("k_q4", k_q4, spec["k_q4"], n_kv)
+    expect_pool("v_q4", v_q4, spec["v_q4"], n_kv)
+    host_k_q4 = host_or_absent("host_k_q4", host_k_q4, spec["k_q4"], n_kv)
+    host_v_q4 = host_or_absent("host_v_q4", host_v_q4, spec["v_q4"], n_kv)
+    assert host_k_q4.shape[0] == 0 or host_v_q4.shape[0] > 0, \
+        "host_k_q4 is present but host_v_q4 is absent: the V lanes would write outside it"
+    lanes = 2 * n * n_kv * (head_dim // Q4_GROUP)
+    if lanes == 0:
+        return
+    with DeviceArgs() as dev:
+        k_q4, v_q4 = dev.write(k_q4), dev.write(v_q4)
+        host_k_q4, host_v_q4 = dev.write(host_k_q4), dev.write(host_v_q4)
+        kv_append_q4_kernel[grid_for(lanes)](
+            dev.read(k_new), dev.read(v_new), dev.read(positions), dev.read(page_table),
+            k_q4, k_q4.view(np.float16), v_q4, v_q4.view(np.float16),
+            host_k_q4, host_k_q4.view(np.float16), host_v_q4, host_v_q4.view(np.float16))

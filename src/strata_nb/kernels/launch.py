@@ -1,0 +1,98 @@
+"""What every launcher does before it launches: check its arrays, and move NumPy ones to
+the device once each.
+
+Launchers accept NumPy arrays or device arrays. Numba would copy a NumPy argument to the
+device and back by itself, but one copy per *argument*: an array passed twice (a folded
+k8v4 half passes each pool array as both its K and its V field) would become two device
+buffers, and a float16 view of a q4_0 byte array (how kernels reach its `d` fields) would
+be a third, each copied back over the others. `DeviceArgs` moves each NumPy array once,
+so every alias and view in the kernel is the same memory, as it is on a real GPU.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import cuda
+
+from strata_nb.kv.formats import BLOCK, PoolArray
+
+THREADS = 128  # threads per block for the lane-per-thread kernels: a multiple of the warp
+
+
+def is_host_numpy(a) -> bool:
+    """A NumPy array the GPU cannot read in place (mapped host arrays and device arrays can)."""
+    return isinstance(a, np.ndarray) and not hasattr(a, "__cuda_array_interface__")
+
+
+class DeviceArgs:
+    """Use as `with DeviceArgs() as dev:`; `dev.read(a)` / `dev.write(a)` give a's device
+    array, and on a clean exit every written NumPy array gets its device bytes back."""
+
+    def __init__(self):
+        self._moved = {}  # id(NumPy array) -> [NumPy array, device array, written?]
+
+    def read(self, a):
+        return self._move(a, written=False)
+
+    def write(self, a):
+        return self._move(a, written=True)
+
+    def _move(self, a, written: bool):
+        if not is_host_numpy(a):
+            return a
+        entry = self._moved.get(id(a))
+        if entry is None:
+            entry = self._moved[id(a)] = [a, cuda.to_device(a), False]
+        entry[2] |= written
+        return entry[1]
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            for host, device, written in self._moved.values():
+                if written:
+                    device.copy_to_host(host)
+        return False
+
+
+def grid_for(lanes: int) -> tuple[int, int]:
+    """(blocks, threads) covering `lanes` threads, one lane each."""
+    return (lanes + THREADS - 1) // THREADS, THREADS
+
+
+def expect(name: str, a, dtype, shape: tuple) -> None:
+    """Assert a's dtype, shape (None = any extent) and C layout, naming it in the message."""
+    want = "(" + ", ".join("*" if s is None else str(s) for s in shape) + ")"
+    ok = (a.dtype == dtype and len(a.shape) == len(shape)
+          and all(s is None or s == t for s, t in zip(shape, a.shape)))
+    assert ok, f"{name} is {tuple(a.shape)} {a.dtype}, want {want} {np.dtype(dtype)}"
+    contiguous = a.flags.c_contiguous if is_host_numpy(a) else a.is_c_contiguous()
+    assert contiguous, f"{name} must be C-contiguous"
+
+
+def expect_window(k_new, v_new, positions, page_table) -> tuple[int, int, int]:
+    """Check an append's new cells; return (n, n_kv, head_dim)."""
+    expect("k_new", k_new, np.float32, (None, None, None))
+    n, n_kv, head_dim = k_new.shape
+    expect("v_new", v_new, np.float32, (n, n_kv, head_dim))
+    expect("positions", positions, np.int32, (n,))
+    expect("page_table", page_table, np.int32, (None,))
+    return n, n_kv, head_dim
+
+
+def expect_pool(name: str, a, spec: PoolArray, n_kv: int) -> None:
+    """A pool array, indexed by slot: (n_slots, n_kv, BLOCK, per_head)."""
+    expect(name, a, spec.dtype, (None, n_kv, BLOCK, spec.per_head))
+
+
+def host_or_absent(name: str, a, spec: PoolArray, n_kv: int):
+    """A host-copy array, indexed by logical block, or a size-0 array meaning "absent".
+
+    Any size-0 array becomes one empty array of the pool's dtype and rank, so the kernel
+    has one signature either way and can test `shape[0] > 0`.
+    """
+    if a.size == 0:
+        return np.empty((0, n_kv, BLOCK, spec.per_head), spec.dtype)
+    expect_pool(name, a, spec, n_kv)
+    return a

@@ -1,0 +1,235 @@
+"""y = x @ W.T for a few activation rows, W read once in its GGUF quantized form: the decode
+hot path (a decode step is 1 row, a verify window up to 8).
+
+Index legend: n activation rows (1..8), in = the row length of x and W, out = rows of W.
+
+Why this is a bandwidth problem. A decode step multiplies each weight once, so the time
+is the time to read the weights: the default model's ~85 MiB of Q4_1 matrices plus its
+30 MiB Q8_0 output head per token, against an H200's ~4.8 TB/s (~25 us a token at the
+ceiling). Arithmetic is cheap next to that, so the kernel is shaped around the reads:
+
+- one warp per row of W (the grid strides over rows when it is smaller than `out`);
+- a lane handles a *part*, 8 of the 32 values of a quantization block, so 4 neighbouring
+  lanes cover one block and a warp covers 8 blocks: the warp's loads fall on one
+  contiguous run of the row (coalesced), each lane loading its 4 bytes of codes as one
+  4-byte word (Q4_1, F32) or two/four 2-byte halves (Q4_0 and Q8_0 blocks are 18 and 34
+  bytes, so their codes sit only on 2-byte boundaries);
+- the fp16 scale d (and Q4_1's offset m) is loaded once per block by each of its 4 lanes:
+  one address, so one transaction for the warp;
+- every activation row is accumulated from that one read of the weights (`acc`, up to 8
+  float32 sums per lane), so a verify window costs the weight reads of one step;
+- `warp_sum` (reduce.py) adds the 32 lanes' partial sums at the end.
+
+x itself is read through the cache: every warp of the grid reads the same few KiB.
+
+The per-type dequantizers are small device functions with one signature,
+`part(a, b, blk, p, w)`: a and b are two views of one weight row (see QTYPES), blk the
+32-value block, p the part (0..3), and w the part's 8 values, written. matmul.py
+(prefill) and embed.py reuse them. Dequantization is exact in float32 (a 4- or 8-bit code
+times an fp16 scale fits in 24 bits; Q4_1's `+ m` rounds once, fused or not), so kernel
+and reference multiply the same weights.
+
+Tolerance. The kernel and the reference (`x @ dequantize(raw, qtype).T`, float32 BLAS)
+sum the same `in` products in different orders: the kernel adds in/32 products per lane
+one after another, then a 5-level tree over lanes; BLAS in its own blocked order. Any
+float32 summation of k products is within (k + 1) * u * sum_i |x_i w_i| of the exact
+value (u = 2^-24; first order, whatever the order), so the two are within
+`dot_tolerance` = 2 (in + 1) u sum_i |x_i| |w_i| of each other, output by output. It is
+loose (random rounding errors grow like sqrt(k)), and still far below what a real bug
+costs: one wrong weight of average size moves an output by ~sum/in, 1 / (2 u in^2) times
+the bound (60x at in = 1536).
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import config, cuda, float32
+
+from strata_nb.kernels.launch import DeviceArgs, expect
+from strata_nb.kernels.reduce import WARP, warp_sum
+from strata_nb.model.dequant import dequantize
+
+QK = 32  # values per quantization block; F16/F32 rows are cut into 32-value blocks too
+PARTS = 4  # lanes per block
+PART = QK // PARTS  # 8 values per lane per block
+MAX_ROWS = 8  # activation rows per call: a decode step (1) or a verify window (<= 8)
+WARPS = 4  # warps per thread block, each on its own row of W
+# The simulator runs every CUDA thread as a Python thread: one block of 4 warps striding
+# over all rows keeps a call to 128 threads. On a GPU every row gets its own warp.
+MAX_BLOCKS = 1 if config.ENABLE_CUDASIM else 1 << 30
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "F16": 64, "F32": 128}  # bytes per 32 values
+U = 2.0 ** -24  # float32 unit roundoff
+
+
+# --8<-- [start:matvec_ref]
+def matvec_ref(x,      # (n, in) float32
+               raw,    # (out, bytes_per_row) uint8: GGUF rows of W, (out, in) once dequantized
+               qtype,  # "Q4_0", "Q4_1", "Q8_0", "F16" or "F32"
+               y):     # (n, out) float32, written
+    y[...] = x @ dequantize(raw, qtype).T
+
+
+def dot_tolerance(x, w):
+    """(n, out) float64: how far kernel and reference may differ (module docstring)."""
+    x64, w64 = np.abs(x.astype(np.float64)), np.abs(w.astype(np.float64))
+    return 2 * (x.shape[1] + 1) * U * (x64 @ w64.T)
+# --8<-- [end:matvec_ref]
+
+
+# --8<-- [start:dequant_parts]
+# Part p of block blk: w[0..8] are 8 of the block's 32 values. In the 4-bit formats byte j
+# holds value j (low nibble) and value j + 16 (high nibble), so a lane that reads code
+# bytes 4p..4p+3 gets values 4p..4p+3 and 16+4p..16+4p+3; in the others, values 8p..8p+7.
+@cuda.jit(device=True)
+def part_column(nibbles, p, j):
+    """Where w[j] of part p sits in its 32-value block."""
+    if nibbles:
+        return 4 * p + (j & 3) + 16 * (j >> 2)
+    return PART * p + j
+
+
+@cuda.jit(device=True)
+def part_q4_0(a,    # (in/32 * 9,) uint16: one row; block blk = d, then 8 halves of codes
+              b,    # (in/32 * 9,) float16: the same bytes
+              blk, p, w):
+    d = float32(b[9 * blk])
+    for h in range(2):
+        pair = a[9 * blk + 1 + 2 * p + h]  # code bytes 4p + 2h and 4p + 2h + 1
+        for i in range(2):
+            byte = (pair >> (8 * i)) & 0xFF
+            j = 2 * h + i
+            # Subtract in float32 (exact for 0..15): an unsigned code minus 8 would wrap.
+            w[j] = (float32(byte & 0x0F) - float32(8.0)) * d
+            w[4 + j] = (float32(byte >> 4) - float32(8.0)) * d
+
+
+@cuda.jit(device=True)
+def part_q4_1(a,    # (in/32 * 5,) uint32: one row; block blk = (d, m), then 4 words of codes
+              b,    # (in/32 * 10,) float16: the same bytes
+              blk, p, w):
+    d, m = float32(b[10 * blk]), float32(b[10 * blk + 1])
+    word = a[5 * blk + 1 + p]  # code bytes 4p..4p+3, one 4-byte load
+    for j in range(4):
+        byte = (word >> (8 * j)) & 0xFF
+        w[j] = float32(byte & 0x0F) * d + m
+        w[4 + j] = float32(byte >> 4) * d + m
+
+
+@cuda.jit(device=True)
+def part_q8_0(a,    # (in/32 * 17,) uint16: one row; block blk = d, then 16 halves of int8 codes
+              b,    # (in/32 * 17,) float16: the same bytes
+              blk, p, w):
+    d = float32(b[17 * blk])
+    for h in range(4):
+        pair = a[17 * blk + 1 + 4 * p + h]  # code bytes 8p + 2h and 8p + 2h + 1
+        for i in range(2):
+            code = int((pair >> (8 * i)) & 0xFF)  # a signed int: uint16 arithmetic would wrap
+            if code >= 128:  # the byte is a two's-complement int8
+                code -= 256
+            w[2 * h + i] = float32(code) * d
+
+
+@cuda.jit(device=True)
+def part_f16(a,    # (in,) float16: one row
+             b,    # unused (the same array)
+             blk, p, w):
+    for j in range(PART):
+        w[j] = float32(a[QK * blk + PART * p + j])
+
+
+@cuda.jit(device=True)
+def part_f32(a,    # (in,) float32: one row
+             b,    # unused (the same array)
+             blk, p, w):
+    for j in range(PART):
+        w[j] = a[QK * blk + PART * p + j]
+
+
+# qtype: (dequantizer, view a, view b, 4-bit nibble layout)
+QTYPES = {
+    "Q4_0": (part_q4_0, np.uint16, np.float16, True),
+    "Q4_1": (part_q4_1, np.uint32, np.float16, True),
+    "Q8_0": (part_q8_0, np.uint16, np.float16, False),
+    "F16": (part_f16, np.float16, np.float16, False),
+    "F32": (part_f32, np.float32, np.float32, False),
+}
+# --8<-- [end:dequant_parts]
+
+
+def row_bytes(qtype: str, n_in: int) -> int:
+    """Bytes of one GGUF row of `n_in` values; n_in must be a multiple of 32."""
+    assert qtype in QTYPES, f"qtype {qtype!r} is not one of {', '.join(QTYPES)}"
+    assert n_in % QK == 0, f"row length {n_in} is not a multiple of {QK}"
+    return n_in // QK * BLOCK_BYTES[qtype]
+
+
+def row_values(qtype: str, bytes_per_row: int) -> int:
+    """Values in one GGUF row of `bytes_per_row` bytes."""
+    assert qtype in QTYPES, f"qtype {qtype!r} is not one of {', '.join(QTYPES)}"
+    assert bytes_per_row % BLOCK_BYTES[qtype] == 0, f"{bytes_per_row} bytes is not whole {qtype} blocks"
+    return bytes_per_row // BLOCK_BYTES[qtype] * QK
+
+
+def weight_views(raw, qtype: str):
+    """The two views of (out, bytes_per_row) uint8 rows that qtype's dequantizer reads."""
+    _, view_a, view_b, _ = QTYPES[qtype]
+    return raw.view(view_a), raw.view(view_b)
+
+
+# --8<-- [start:matvec_kernel]
+def make_matvec_kernel(part, nibbles):
+    """The kernel for one weight type, given its dequantizer. Numba compiles each."""
+
+    @cuda.jit
+    def matvec_kernel(x,  # (n, in) float32, n <= 8
+                      a,  # (out, *) view a of W's rows (QTYPES)
+                      b,  # (out, *) view b of the same bytes
+                      y):  # (n, out) float32, written
+        lane, warp = cuda.threadIdx.x % WARP, cuda.threadIdx.x // WARP
+        n, n_out = x.shape[0], y.shape[1]
+        n_parts = x.shape[1] // PART  # the row's parts: lane l takes parts l, l + 32, ...
+        w = cuda.local.array(PART, float32)  # one part's weights
+        acc = cuda.local.array(MAX_ROWS, float32)  # this lane's partial sum for each row of x
+        # Grid-stride over the rows of W, 4 at a time (one per warp). Every warp of the
+        # block makes the same number of trips, so each trip's warp_sum is reached by all.
+        for first in range(cuda.blockIdx.x * WARPS, n_out, cuda.gridDim.x * WARPS):
+            o = first + warp
+            for r in range(MAX_ROWS):
+                acc[r] = float32(0.0)
+            if o < n_out:
+                a_row, b_row = a[o], b[o]
+                for q in range(lane, n_parts, WARP):
+                    blk, p = q // PARTS, q % PARTS
+                    part(a_row, b_row, blk, p, w)  # the weights are read here, and only here
+                    for j in range(PART):
+                        col = blk * QK + part_column(nibbles, p, j)
+                        for r in range(MAX_ROWS):  # a constant trip count: acc stays in registers
+                            if r < n:
+                                acc[r] += w[j] * x[r, col]
+            for r in range(MAX_ROWS):
+                if r < n:  # n is the same for every thread, so the reduction stays collective
+                    total = warp_sum(acc[r])
+                    if lane == 0 and o < n_out:
+                        y[r, o] = total
+
+    return matvec_kernel
+
+
+MATVEC_KERNELS = {qtype: make_matvec_kernel(part, nibbles) for qtype, (part, _, _, nibbles) in QTYPES.items()}
+# --8<-- [end:matvec_kernel]
+
+
+def matvec(x, raw, qtype, y):
+    """Like matvec_ref, on the device, for 1..8 rows of x. NumPy arguments are moved (y is
+    written back); device arguments are used in place."""
+    expect("x", x, np.float32, (None, None))
+    n, n_in = x.shape
+    assert n <= MAX_ROWS, f"x has {n} rows; matvec takes at most {MAX_ROWS} (use matmul)"
+    expect("raw", raw, np.uint8, (None, row_bytes(qtype, n_in)))
+    n_out = raw.shape[0]
+    expect("y", y, np.float32, (n, n_out))
+    if n == 0 or n_out == 0:
+        return
+    blocks = min(-(-n_out // WARPS), MAX_BLOCKS)
+    with DeviceArgs() as dev:
+        a, b = weight_views(dev.read(raw), qtype)
+        MATVEC_KERNELS[qtype][blocks, WARPS * WARP](dev.read(x), a, b, dev.write(y))

@@ -1,0 +1,115 @@
+"""Warp reductions: the sum or the max of one float32 per lane over the 32 lanes of a warp.
+
+Every kernel that ends in a dot product or a norm (matvec, rmsnorm, argmax) finishes with
+one of these. The contract: all 32 lanes of every warp of the thread block call it at the
+same point, each with its float32 value, and every lane gets the warp's result back.
+
+Why two versions. On a GPU the lanes of a warp trade registers directly: a
+`shfl_xor_sync` round hands each lane the value of the lane whose index differs in one
+bit, so five rounds (offsets 16, 8, 4, 2, 1) leave the whole warp's total in every lane,
+with no shared memory and no barrier. Numba's CUDA simulator runs each CUDA thread as a
+Python thread and has no warp intrinsics at all, so under NUMBA_ENABLE_CUDASIM=1 the
+lanes trade through shared memory instead: each writes its value, one barrier, then each
+lane replays the same five rounds on its warp's 32 values and keeps the result. The
+replay adds in the order the shuffles do (lane j + lane j^16, then those pairwise, ...),
+so both versions return the same bits: a kernel's result under the simulator is the
+result it gives on the GPU. The fallback's barrier is block-wide, which is why the
+contract asks every warp of the block, not just every lane of one warp, to call it.
+
+The version is chosen once, at import, from `numba.config.ENABLE_CUDASIM`.
+
+Block-wide reductions (`block_sum`, `block_max`) are two warp steps through a shared
+array of per-warp results; they need a 1-D block, `blockDim.x` a multiple of 32.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import config, cuda, float32
+
+WARP = 32
+MAX_THREADS = 1024  # the most threads a block can have: the fallback's scratch and the per-warp slots
+FULL_MASK = 0xFFFFFFFF  # every lane takes part in each shuffle
+NEG_INF = np.float32(-np.inf)
+
+
+# --8<-- [start:warp_reduce]
+if not config.ENABLE_CUDASIM:
+    @cuda.jit(device=True)
+    def warp_sum(x):
+        """x: this lane's float32 -> the sum over its warp, in every lane."""
+        offset = WARP // 2
+        while offset > 0:
+            x += cuda.shfl_xor_sync(FULL_MASK, x, offset)  # the lane whose index differs in one bit
+            offset //= 2
+        return x
+
+    @cuda.jit(device=True)
+    def warp_max(x):
+        """x: this lane's float32 -> the max over its warp, in every lane."""
+        offset = WARP // 2
+        while offset > 0:
+            x = max(x, cuda.shfl_xor_sync(FULL_MASK, x, offset))
+            offset //= 2
+        return x
+else:
+    # Under the simulator these are plain Python, run by each simulated thread, so they
+    # use NumPy on the shared array directly.
+    @cuda.jit(device=True)
+    def exchange(x, scratch):
+        """The simulator's stand-in for the shuffles: this warp's 32 values as a (32,)
+        float32 array. Every thread of the block must call it."""
+        t = cuda.threadIdx.x + cuda.blockDim.x * (cuda.threadIdx.y + cuda.blockDim.y * cuda.threadIdx.z)
+        scratch[t] = x
+        cuda.syncthreads()  # every lane's value is written before any lane reads its warp's
+        first = t - t % WARP
+        lanes = scratch[first:first + WARP].copy()
+        cuda.syncthreads()  # all have read: the next call may overwrite scratch
+        return lanes
+
+    @cuda.jit(device=True)
+    def warp_sum(x):
+        scratch = cuda.shared.array(MAX_THREADS, float32)  # (threads in the block,) one value per thread
+        lanes = exchange(x, scratch)
+        offset = WARP // 2
+        while offset > 0:  # the shuffle rounds, replayed: lane j adds lane j + offset
+            lanes = lanes[:offset] + lanes[offset:2 * offset]
+            offset //= 2
+        return lanes[0]  # every lane's butterfly ends on these bits: a + b == b + a
+
+    @cuda.jit(device=True)
+    def warp_max(x):
+        scratch = cuda.shared.array(MAX_THREADS, float32)
+        return exchange(x, scratch).max()  # max is exact: any order gives the same value
+# --8<-- [end:warp_reduce]
+
+
+# --8<-- [start:block_reduce]
+@cuda.jit(device=True)
+def block_sum(x):
+    """x: this thread's float32 -> the sum over the block, in every thread."""
+    per_warp = cuda.shared.array(WARP, float32)  # (warps,) each warp's sum
+    lane, warp = cuda.threadIdx.x % WARP, cuda.threadIdx.x // WARP
+    total = warp_sum(x)
+    if lane == 0:
+        per_warp[warp] = total
+    cuda.syncthreads()
+    n_warps = cuda.blockDim.x // WARP
+    total = warp_sum(per_warp[lane] if lane < n_warps else float32(0.0))  # every warp sums the warps' sums
+    cuda.syncthreads()  # all have read per_warp before a later call overwrites it
+    return total
+
+
+@cuda.jit(device=True)
+def block_max(x):
+    """Like block_sum, for the max; lanes past the last warp contribute -inf."""
+    per_warp = cuda.shared.array(WARP, float32)  # (warps,) each warp's max
+    lane, warp = cuda.threadIdx.x % WARP, cuda.threadIdx.x // WARP
+    best = warp_max(x)
+    if lane == 0:
+        per_warp[warp] = best
+    cuda.syncthreads()
+    n_warps = cuda.blockDim.x // WARP
+    best = warp_max(per_warp[lane] if lane < n_warps else NEG_INF)
+    cuda.syncthreads()
+    return best
+# --8<-- [end:block_reduce]

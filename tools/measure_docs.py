@@ -1,0 +1,83 @@
+"""Produce the measured tables the docs include (docs/measured/*.md), by running the CLI.
+
+    python tools/measure_docs.py compare      # compare-kv on the bundled document (~3 min on 2 cores)
+    python tools/measure_docs.py stream       # streaming counters, ~6,000-token prompt (~10 min)
+    python tools/measure_docs.py fault        # the missing-mirror lab's outputs (~2 min)
+
+Every page shows the command that produced its numbers; nothing here is typed by hand.
+CI does not run this (it takes minutes); the docs build only includes its output.
+"""
+from __future__ import annotations
+
+import json
+import platform
+import subprocess
+import sys
+import tempfile
+from importlib import resources
+from pathlib import Path
+
+OUT = Path(__file__).resolve().parents[1] / "docs" / "measured"
+DOC = resources.files("strata_nb.data").joinpath("default_document.txt").read_text()
+
+
+def run(args: list[str], stdin: str | None = None) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "strata_nb.cli"] + args
+    done = subprocess.run(cmd, input=stdin, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"{' '.join(args)} failed:\n{done.stderr}")
+    return done
+
+
+def machine() -> str:
+    return f"{platform.machine()}, {platform.processor() or 'cpu'}, numpy backend"
+
+
+def compare():
+    from strata_nb.engine.compare import format_table
+
+    parts = []
+    for args in (["compare-kv", "--json"], ["compare-kv", "--kv", "k8v4,q4_0", "--qsa-budget", "0,1024", "--json"]):
+        result = json.loads(run(args).stdout)
+        parts.append(f"```text\n$ strata-nb {' '.join(a for a in args if a != '--json')}\n"
+                     f"{format_table(result)}\n```\n")
+    (OUT / "compare_kv.md").write_text(
+        f"Measured with `python tools/measure_docs.py compare` ({machine()}).\n\n" + "\n".join(parts))
+
+
+def long_prompt(tokens_wanted: int = 6000) -> str:
+    reps = DOC + "\n\n" + DOC + "\n\n" + DOC  # ~8,400 tokens; cut by characters to ~6,000
+    return reps[: int(len(reps) * tokens_wanted / 8440)] + "\n\nSummarize the text above in two sentences."
+
+
+def stream():
+    prompt = long_prompt()
+    blocks = []
+    for budget in ("0", "1024"):
+        args = ["run", "--kv", "k8v4", "--kv-resident", "320", "--qsa-budget", budget, "--max-tokens", "200",
+                "--stats", "--temperature", "0"]
+        done = run(args, stdin=prompt)
+        stats = [line for line in done.stderr.splitlines() if line.startswith(("prompt tokens", "KV streaming"))]
+        blocks.append(f"```text\n$ strata-nb {' '.join(args)} < long_prompt.txt\n" + "\n".join(stats) + "\n```\n")
+    (OUT / "stream_counters.md").write_text(
+        f"Measured with `python tools/measure_docs.py stream` ({machine()}); the prompt is the bundled "
+        f"document repeated, cut to about 6,000 tokens. Counters are per layer-step summed over the "
+        f"30 layers; prompt chunks are staged, not looked up.\n\n" + "\n".join(blocks))
+
+
+def fault():
+    prompt = DOC[:6200] + "\n\nSummarize the text above in two sentences."
+    rows = []
+    for label, extra in (("fully resident", []), ("streamed, 320 cells", ["--kv-resident", "320"]),
+                         ("streamed + --fault drop-v-mirror", ["--kv-resident", "320", "--fault", "drop-v-mirror"])):
+        args = ["run", "--kv", "k8v4", "--max-tokens", "60"] + extra
+        out = run(args, stdin=prompt).stdout.strip()
+        rows.append(f"**{label}** (`strata-nb {' '.join(args)}`):\n\n```text\n{out}\n```\n")
+    (OUT / "fault_lab.md").write_text(f"Measured with `python tools/measure_docs.py fault` ({machine()}).\n\n"
+                                      + "\n".join(rows))
+
+
+if __name__ == "__main__":
+    OUT.mkdir(parents=True, exist_ok=True)
+    for what in sys.argv[1:] or ["compare", "stream", "fault"]:
+        {"compare": compare, "stream": stream, "fault": fault}[what]()
