@@ -13,19 +13,20 @@ N_HEADS, N_KV, HD = 9, 3, 64
 WINDOWS = [1, 3, 8, 2, 5, 1, 7, 4, 6, 1]  # decode steps (1) and verify windows (2..8)
 
 
-def make_cache(be, fmt, max_context, **settings):
-    cfg = ModelConfig("synthetic", 1, N_HEADS * HD, 4 * HD, N_HEADS, N_KV, HD, 1e4, 1e-5, 100, max_context)
+def make_cache(be, fmt, max_context, n_heads=N_HEADS, n_kv=N_KV, **settings):
+    cfg = ModelConfig("synthetic", 1, n_heads * HD, 4 * HD, n_heads, n_kv, HD, 1e4, 1e-5, 100, max_context)
     return KVCache(be, cfg, Settings(kv=fmt, max_context=max_context, **settings))
 
 
-def synthetic_decode(be, fmt, *, n_cells, prompt_cells, chunk, seed=0, check=None, **settings):
+def synthetic_decode(be, fmt, *, n_cells, prompt_cells, chunk, seed=0, check=None, n_heads=N_HEADS, n_kv=N_KV,
+                     **settings):
     """-> (list of attention outputs as NumPy arrays, the cache)."""
     rng = np.random.default_rng(seed)
-    shape = (n_cells + 8, N_KV, HD)
+    shape = (n_cells + 8, n_kv, HD)
     k, v = rng.standard_normal(shape, np.float32), rng.standard_normal(shape, np.float32)
     k_rejected, v_rejected = rng.standard_normal(shape, np.float32), rng.standard_normal(shape, np.float32)
-    q = rng.standard_normal((n_cells + 8, N_HEADS, HD), np.float32)
-    cache = make_cache(be, fmt, n_cells + 8, **settings)
+    q = rng.standard_normal((n_cells + 8, n_heads, HD), np.float32)
+    cache = make_cache(be, fmt, n_cells + 8, n_heads, n_kv, **settings)
     outs = []
 
     def step(pos, kk, vv, prompt):

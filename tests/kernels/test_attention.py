@@ -3,7 +3,7 @@ tolerance for every format; the reference against a plain loop; and the referenc
 determinism (pool or host copy, the same bits)."""
 import numpy as np
 import pytest
-from numba import config
+from numba import config, cuda
 
 from strata_nb.kernels.attention import ATOL, RTOL, attention, attention_ref
 from strata_nb.kernels.kv_append_fp16 import kv_append_fp16_ref
@@ -88,6 +88,23 @@ def test_kernel_without_a_host_copy():
     pool, _ = filled_cache("k8v4", identity, n_slots=N_BLOCKS)
     args = ("k8v4", *queries(1), identity, pool, None)
     np.testing.assert_allclose(run(attention, *args), run(attention_ref, *args), atol=ATOL, rtol=RTOL)
+
+
+def mapped_copy(a):
+    m = cuda.mapped_array(a.shape, a.dtype)
+    m[...] = a
+    return m
+
+
+def test_kernel_reads_device_pool_and_mapped_host():
+    """The cuda backend's arrays: the pool in VRAM, the host copy in mapped pinned memory
+    that the kernel reads in place."""
+    pool, host = filled_cache("q4_0", PAGE_TABLE, n_slots=4)
+    q, q_pos, blocks = queries(1)
+    want = run(attention_ref, "q4_0", q, q_pos, blocks, PAGE_TABLE, pool, host)
+    got = run(attention, "q4_0", q, q_pos, blocks, PAGE_TABLE,
+              {f: cuda.to_device(a) for f, a in pool.items()}, {f: mapped_copy(a) for f, a in host.items()})
+    np.testing.assert_allclose(got, want, atol=ATOL, rtol=RTOL)
 
 
 # ---- the reference: a plain loop, and determinism -------------------------------------------

@@ -26,6 +26,12 @@ def mapped_zeros(a):
     return m
 
 
+def host_bytes(a):
+    """A NumPy copy of a mapped array (on a GPU a NumPy array itself, whose copy_to_host()
+    numba-cuda 0.30 cannot run; under the simulator a device array)."""
+    return np.array(a) if isinstance(a, np.ndarray) else a.copy_to_host()
+
+
 def append_windows(append, with_host=True, on_device=False, **kwargs):
     """Run the writer over every window; -> (pool, host or None, written positions).
     on_device: the pool as device arrays and the host copy mapped, as the cuda backend
@@ -43,8 +49,9 @@ def append_windows(append, with_host=True, on_device=False, **kwargs):
         append(k, v_rot, positions, PAGE_TABLE, pool, host, **kwargs)
         written.extend(positions)
     if on_device:
+        cuda.synchronize()  # kernels run asynchronously; mapped memory is read directly
         pool = {f: a.copy_to_host() for f, a in pool.items()}
-        host = {f: np.array(a.copy_to_host()) for f, a in host.items()}
+        host = {f: host_bytes(a) for f, a in host.items()}
     return pool, host, np.array(written)
 
 

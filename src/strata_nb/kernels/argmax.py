@@ -18,9 +18,9 @@ from numba import config, cuda, float32
 from strata_nb.kernels.launch import DeviceArgs, expect
 from strata_nb.kernels.reduce import NEG_INF, block_max
 
-# Threads per row: 1024 on a GPU (49152 logits = 48 per thread); 128 under the simulator,
+# Threads per row: 1024 on a GPU (49152 logits = 48 per thread); 64 under the simulator,
 # where every thread is a Python thread.
-THREADS = 128 if config.ENABLE_CUDASIM else 1024
+THREADS = 64 if config.ENABLE_CUDASIM else 1024
 MAX_VOCAB = 1 << 24  # indices travel through float32 in the second reduction
 
 

@@ -19,7 +19,7 @@ import numpy as np
 from numba import cuda, float32
 
 from strata_nb.kernels.launch import DeviceArgs, expect, grid_for, is_host_numpy
-from strata_nb.kernels.matvec import PART, PARTS, QK, QTYPES, part_column, row_values, weight_views
+from strata_nb.kernels.matvec import PART, PARTS, QK, QTYPES, part_runs, row_values, weight_views
 from strata_nb.model.dequant import dequantize
 
 
@@ -58,8 +58,10 @@ def make_embed_kernel(part, nibbles):
             blk, p = q // PARTS, q % PARTS
             w = cuda.local.array(PART, float32)
             part(a[ids[i]], b[ids[i]], blk, p, w)
-            for j in range(PART):
-                out[i, blk * QK + part_column(nibbles, p, j)] = w[j]
+            lo, hi = part_runs(nibbles, p)
+            for j in range(4):
+                out[i, blk * QK + lo + j] = w[j]
+                out[i, blk * QK + hi + j] = w[4 + j]
 
     return embed_kernel
 

@@ -56,6 +56,17 @@ class DeviceArgs:
         return False
 
 
+def float16_view(a):
+    """The same bytes as float16: how kernels reach q4_0's `d` fields.
+
+    A mapped host array is wrapped as a device array first: numba-cuda's view() of a
+    mapped array fails (it asks is_c_contiguous(), which mapped arrays lack).
+    """
+    if isinstance(a, np.ndarray) and hasattr(a, "__cuda_array_interface__"):
+        a = cuda.as_cuda_array(a)
+    return a.view(np.float16)
+
+
 def grid_for(lanes: int) -> tuple[int, int]:
     """(blocks, threads) covering `lanes` threads, one lane each."""
     return (lanes + THREADS - 1) // THREADS, THREADS
@@ -67,8 +78,8 @@ def expect(name: str, a, dtype, shape: tuple) -> None:
     ok = (a.dtype == dtype and len(a.shape) == len(shape)
           and all(s is None or s == t for s, t in zip(shape, a.shape)))
     assert ok, f"{name} is {tuple(a.shape)} {a.dtype}, want {want} {np.dtype(dtype)}"
-    contiguous = a.flags.c_contiguous if is_host_numpy(a) else a.is_c_contiguous()
-    assert contiguous, f"{name} must be C-contiguous"
+    # flags["C_CONTIGUOUS"] is the spelling NumPy, mapped and device arrays all answer
+    assert a.flags["C_CONTIGUOUS"], f"{name} must be C-contiguous"
 
 
 def expect_window(k_new, v_new, positions, page_table) -> tuple[int, int, int]:

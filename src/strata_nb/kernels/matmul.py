@@ -4,29 +4,33 @@ Index legend: n activation rows (> 8), in = the row length of x and W, out = row
 
 matvec.py reads every weight once per call and is bound by that read. With n rows a
 matvec would read W n/8 times; here a thread block computes a 32 x 32 tile of y (32 rows
-of W against 32 rows of x) and walks `in` one quantization block (32 values) at a time:
+of W against 32 rows of x) and walks `in` 128 values (4 quantization blocks) at a time:
 
-1. 128 of its 256 threads dequantize the tile's 32 weight rows x 32 values into shared
-   memory, each one part of one row with matvec's dequantizers (so each weight is read
-   from global memory once per 32 rows of x, not once per row);
-2. all 256 load the matching 32 x 32 values of x into shared memory (consecutive threads,
-   consecutive values: coalesced);
-3. after a barrier, thread (tx, ty) adds 32 products to each of its 4 outputs:
-   column tx of W against rows ty, ty + 8, ty + 16, ty + 24 of x. The weight tile has
-   33 columns so that the 32 lanes of a warp, reading column k of 32 different rows, hit
-   32 different shared-memory banks; the x values are the same for the whole warp (one
-   broadcast).
+1. its 128 threads dequantize the tile's 32 weight rows x 128 values into shared memory,
+   four parts of 8 values each, with matvec's dequantizers; neighbouring threads take
+   neighbouring parts of a row, so the warp's loads are one contiguous run (coalesced),
+   and each weight is read from global memory once per 32 rows of x, not once per row;
+2. they load the matching 32 x 128 values of x into shared memory the same way;
+3. after a barrier, thread (tx, ty) adds 128 products to each of its 8 outputs:
+   row tx of W against rows ty, ty + 4, ..., ty + 28 of x. The weight tile has
+   129 columns so that the 32 lanes of a warp, reading column k of 32 different rows,
+   hit 32 different shared-memory banks; the x values are the same for the whole warp
+   (one broadcast).
 
-A second barrier keeps the next block's writes from overtaking this block's reads.
+A second barrier keeps the next step's writes from overtaking this step's reads. 128
+values a step rather than 32 means a quarter of the barriers (which also makes the
+kernel affordable under the simulator, where a barrier wakes every thread of the block
+in turn). Parts past the end of the row or of W are zeros.
 
 Tolerance: as matvec.py (`dot_tolerance`). Each output is a float32 sum of `in` products
-added one after another, the reference's is BLAS's order; both are within (in + 1) u
-sum_i |x_i w_i| of the exact value, so within 2 (in + 1) u sum_i |x_i| |w_i| of each
-other.
+added one after another (the zeros add nothing), the reference's is in BLAS's order;
+both are within (in + 1) u sum_i |x_i w_i| of the exact value, so within
+2 (in + 1) u sum_i |x_i| |w_i| of each other.
 
-Known limit: each thread loads 5 shared values for 4 multiply-adds, so the kernel is
-bound by shared-memory traffic, not by tensor cores; register tiles of several columns
-per thread (and a 64 x 64 tile) are the next step on a GPU.
+Known limit: each thread loads 9 shared values (one weight, 8 broadcast x values) for 8
+multiply-adds, so the kernel is bound by shared-memory traffic, far from the tensor
+cores; register tiles of several weight rows per thread (and a 64 x 64 tile) are the
+next step on a GPU.
 """
 from __future__ import annotations
 
@@ -34,11 +38,14 @@ import numpy as np
 from numba import cuda, float32
 
 from strata_nb.kernels.launch import DeviceArgs, expect
-from strata_nb.kernels.matvec import PART, PARTS, QK, QTYPES, matvec_ref, part_column, row_bytes, weight_views
+from strata_nb.kernels.matvec import PART, PARTS, QK, QTYPES, matvec_ref, part_runs, row_bytes, weight_views
 
 TILE = 32  # rows of W and rows of x per thread block
-THREADS_Y = 8  # the block is (32, 8) threads
-ROWS_PER_THREAD = TILE // THREADS_Y  # 4 rows of x per thread
+TILE_K = 4 * QK  # values of the row per step: 4 quantization blocks
+W_PITCH = TILE_K + 1  # the weight tile's row length in shared memory: one pad column
+THREADS_Y = 4  # the block is (32, 4) threads
+THREADS = TILE * THREADS_Y
+ROWS_PER_THREAD = TILE // THREADS_Y  # 8 rows of x per thread
 
 
 # --8<-- [start:matmul_ref]
@@ -60,34 +67,39 @@ def make_matmul_kernel(part, nibbles):
         t = ty * TILE + tx
         o0, i0 = cuda.blockIdx.x * TILE, cuda.blockIdx.y * TILE  # first row of W, of x
         n, n_in = x.shape
-        n_out = y.shape[1]
-        w_tile = cuda.shared.array((TILE, QK + 1), float32)  # (32 rows of W, 32 values + 1 pad)
-        x_tile = cuda.shared.array((TILE, QK), float32)  # (32 rows of x, 32 values)
+        n_out, n_blocks = y.shape[1], n_in // QK
+        w_tile = cuda.shared.array((TILE, W_PITCH), float32)  # (32 rows of W, 128 values + 1 pad)
+        x_tile = cuda.shared.array((TILE, TILE_K), float32)  # (32 rows of x, 128 values)
         w = cuda.local.array(PART, float32)
         acc = cuda.local.array(ROWS_PER_THREAD, float32)
         for m in range(ROWS_PER_THREAD):
             acc[m] = float32(0.0)
 
-        for blk in range(n_in // QK):
-            if t < TILE * PARTS:  # threads 0..127: part t % 4 of weight row t // 4
-                row, p = t // PARTS, t % PARTS
-                if o0 + row < n_out:
+        for k0 in range(0, n_in, TILE_K):
+            for e in range(t, TILE * TILE_K // PART, THREADS):  # 512 parts: 4 per thread
+                row, q = e // (TILE_K // PART), e % (TILE_K // PART)  # q: part of the row in this step
+                blk, p = k0 // QK + q // PARTS, q % PARTS
+                if o0 + row < n_out and blk < n_blocks:
                     part(a[o0 + row], b[o0 + row], blk, p, w)
-                else:  # past the last row of W: zeros, whose outputs are never stored
+                else:
                     for j in range(PART):
                         w[j] = float32(0.0)
-                for j in range(PART):
-                    w_tile[row, part_column(nibbles, p, j)] = w[j]
-            for m in range(TILE * QK // (TILE * THREADS_Y)):  # 4 values of x per thread
-                e = m * TILE * THREADS_Y + t
-                i, k = e // QK, e % QK
-                x_tile[i, k] = x[i0 + i, blk * QK + k] if i0 + i < n else float32(0.0)
+                lo, hi = part_runs(nibbles, p)
+                base = q // PARTS * QK  # the block's first column in the tile
+                for j in range(4):
+                    w_tile[row, base + lo + j] = w[j]
+                    w_tile[row, base + hi + j] = w[4 + j]
+            for e in range(t, TILE * TILE_K, THREADS):  # 32 values of x per thread
+                i, k = e // TILE_K, e % TILE_K
+                inside = i0 + i < n and k0 + k < n_in
+                x_tile[i, k] = x[i0 + i, k0 + k] if inside else float32(0.0)
             cuda.syncthreads()  # both tiles complete before anyone multiplies
 
-            for k in range(QK):
+            for k in range(TILE_K):
                 wk = w_tile[tx, k]
                 for m in range(ROWS_PER_THREAD):
-                    acc[m] += x_tile[ty + THREADS_Y * m, k] * wk
+                    if i0 + ty + THREADS_Y * m < n:  # the same for the whole warp: no divergence
+                        acc[m] += x_tile[ty + THREADS_Y * m, k] * wk
             cuda.syncthreads()  # everyone is done with the tiles before they are refilled
 
         o = o0 + tx

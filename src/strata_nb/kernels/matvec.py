@@ -4,8 +4,8 @@ hot path (a decode step is 1 row, a verify window up to 8).
 Index legend: n activation rows (1..8), in = the row length of x and W, out = rows of W.
 
 Why this is a bandwidth problem. A decode step multiplies each weight once, so the time
-is the time to read the weights: the default model's ~85 MiB of Q4_1 matrices plus its
-30 MiB Q8_0 output head per token, against an H200's ~4.8 TB/s (~25 us a token at the
+is the time to read the weights: the default model's 63 MiB of Q4_1 matrices plus its
+29 MiB Q8_0 output head per token, against an H200's ~4.8 TB/s (~20 us a token at the
 ceiling). Arithmetic is cheap next to that, so the kernel is shaped around the reads:
 
 - one warp per row of W (the grid strides over rows when it is smaller than `out`);
@@ -35,9 +35,10 @@ one after another, then a 5-level tree over lanes; BLAS in its own blocked order
 float32 summation of k products is within (k + 1) * u * sum_i |x_i w_i| of the exact
 value (u = 2^-24; first order, whatever the order), so the two are within
 `dot_tolerance` = 2 (in + 1) u sum_i |x_i| |w_i| of each other, output by output. It is
-loose (random rounding errors grow like sqrt(k)), and still far below what a real bug
-costs: one wrong weight of average size moves an output by ~sum/in, 1 / (2 u in^2) times
-the bound (60x at in = 1536).
+loose (random rounding errors grow like sqrt(k); the tests see about 1/100 of it), and
+still below what a real bug costs: one wrong scale moves 32 products, ~32 sum/in, which
+is 16 / (u in^2) times the bound (110x at in = 1536, 800x at in = 576); a single wrong
+weight of average size, 1 / (2 u in^2) times (3.5x at in = 1536).
 """
 from __future__ import annotations
 
@@ -52,10 +53,10 @@ QK = 32  # values per quantization block; F16/F32 rows are cut into 32-value blo
 PARTS = 4  # lanes per block
 PART = QK // PARTS  # 8 values per lane per block
 MAX_ROWS = 8  # activation rows per call: a decode step (1) or a verify window (<= 8)
-WARPS = 4  # warps per thread block, each on its own row of W
-# The simulator runs every CUDA thread as a Python thread: one block of 4 warps striding
-# over all rows keeps a call to 128 threads. On a GPU every row gets its own warp.
-MAX_BLOCKS = 1 if config.ENABLE_CUDASIM else 1 << 30
+# Warps per thread block, each on its own row of W, and blocks at most. On a GPU every row
+# gets its own warp. The simulator runs every CUDA thread as a Python thread and wakes
+# them one by one at every barrier: one warp striding over all rows costs the least.
+WARPS, MAX_BLOCKS = (1, 1) if config.ENABLE_CUDASIM else (4, 1 << 30)
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "F16": 64, "F32": 128}  # bytes per 32 values
 U = 2.0 ** -24  # float32 unit roundoff
 
@@ -76,15 +77,16 @@ def dot_tolerance(x, w):
 
 
 # --8<-- [start:dequant_parts]
-# Part p of block blk: w[0..8] are 8 of the block's 32 values. In the 4-bit formats byte j
-# holds value j (low nibble) and value j + 16 (high nibble), so a lane that reads code
-# bytes 4p..4p+3 gets values 4p..4p+3 and 16+4p..16+4p+3; in the others, values 8p..8p+7.
+# Part p of block blk: w[0..8] are 8 of the block's 32 values, as two runs of 4. In the
+# 4-bit formats byte j holds value j (low nibble) and value j + 16 (high nibble), so a
+# lane that reads code bytes 4p..4p+3 gets values 4p..4p+3 and 16+4p..16+4p+3; in the
+# others it gets values 8p..8p+7.
 @cuda.jit(device=True)
-def part_column(nibbles, p, j):
-    """Where w[j] of part p sits in its 32-value block."""
+def part_runs(nibbles, p):
+    """Where w[0:4] and w[4:8] of part p start in their 32-value block."""
     if nibbles:
-        return 4 * p + (j & 3) + 16 * (j >> 2)
-    return PART * p + j
+        return 4 * p, 16 + 4 * p
+    return PART * p, PART * p + 4
 
 
 @cuda.jit(device=True)
@@ -185,13 +187,14 @@ def make_matvec_kernel(part, nibbles):
                       b,  # (out, *) view b of the same bytes
                       y):  # (n, out) float32, written
         lane, warp = cuda.threadIdx.x % WARP, cuda.threadIdx.x // WARP
+        warps = cuda.blockDim.x // WARP
         n, n_out = x.shape[0], y.shape[1]
         n_parts = x.shape[1] // PART  # the row's parts: lane l takes parts l, l + 32, ...
         w = cuda.local.array(PART, float32)  # one part's weights
         acc = cuda.local.array(MAX_ROWS, float32)  # this lane's partial sum for each row of x
-        # Grid-stride over the rows of W, 4 at a time (one per warp). Every warp of the
-        # block makes the same number of trips, so each trip's warp_sum is reached by all.
-        for first in range(cuda.blockIdx.x * WARPS, n_out, cuda.gridDim.x * WARPS):
+        # Grid-stride over the rows of W, a row per warp. Every warp of the block makes
+        # the same number of trips, so each trip's warp_sum is reached by all of them.
+        for first in range(cuda.blockIdx.x * warps, n_out, cuda.gridDim.x * warps):
             o = first + warp
             for r in range(MAX_ROWS):
                 acc[r] = float32(0.0)
@@ -200,11 +203,16 @@ def make_matvec_kernel(part, nibbles):
                 for q in range(lane, n_parts, WARP):
                     blk, p = q // PARTS, q % PARTS
                     part(a_row, b_row, blk, p, w)  # the weights are read here, and only here
-                    for j in range(PART):
-                        col = blk * QK + part_column(nibbles, p, j)
-                        for r in range(MAX_ROWS):  # a constant trip count: acc stays in registers
-                            if r < n:
-                                acc[r] += w[j] * x[r, col]
+                    lo, hi = part_runs(nibbles, p)
+                    lo, hi = blk * QK + lo, blk * QK + hi  # the columns of w[0:4] and w[4:8]
+                    for r in range(MAX_ROWS):  # a constant trip count: acc stays in registers
+                        if r < n:
+                            total = acc[r]
+                            for j in range(4):
+                                total += w[j] * x[r, lo + j]
+                            for j in range(4):
+                                total += w[4 + j] * x[r, hi + j]
+                            acc[r] = total
             for r in range(MAX_ROWS):
                 if r < n:  # n is the same for every thread, so the reduction stays collective
                     total = warp_sum(acc[r])

@@ -10,7 +10,8 @@ bit, so five rounds (offsets 16, 8, 4, 2, 1) leave the whole warp's total in eve
 with no shared memory and no barrier. Numba's CUDA simulator runs each CUDA thread as a
 Python thread and has no warp intrinsics at all, so under NUMBA_ENABLE_CUDASIM=1 the
 lanes trade through shared memory instead: each writes its value, one barrier, then each
-lane replays the same five rounds on its warp's 32 values and keeps the result. The
+lane replays the same five rounds on its warp's 32 values and keeps the result (a
+barrier wakes every simulated thread in turn, so there is just the one). The
 replay adds in the order the shuffles do (lane j + lane j^16, then those pairwise, ...),
 so both versions return the same bits: a kernel's result under the simulator is the
 result it gives on the GPU. The fallback's barrier is block-wide, which is why the
@@ -23,11 +24,13 @@ array of per-warp results; they need a 1-D block, `blockDim.x` a multiple of 32.
 """
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 from numba import config, cuda, float32
 
 WARP = 32
-MAX_THREADS = 1024  # the most threads a block can have: the fallback's scratch and the per-warp slots
+MAX_THREADS = 1024  # the most threads a block can have: the simulator's scratch has a slot each
 FULL_MASK = 0xFFFFFFFF  # every lane takes part in each shuffle
 NEG_INF = np.float32(-np.inf)
 
@@ -52,24 +55,33 @@ if not config.ENABLE_CUDASIM:
             offset //= 2
         return x
 else:
-    # Under the simulator these are plain Python, run by each simulated thread, so they
-    # use NumPy on the shared array directly.
+    # Under the simulator these are plain Python, run by each simulated thread: they use
+    # NumPy on the shared array directly, and keep per-thread state in a thread-local
+    # (each simulated thread is a new Python thread, so it starts with none).
+    lane_state = threading.local()  # .scratch: the block's shared array; .count: exchanges so far
+
     @cuda.jit(device=True)
-    def exchange(x, scratch):
+    def exchange(x):
         """The simulator's stand-in for the shuffles: this warp's 32 values as a (32,)
         float32 array. Every thread of the block must call it."""
+        if not hasattr(lane_state, "scratch"):  # the simulator's shared.array is slow: ask once
+            lane_state.scratch = cuda.shared.array((2, MAX_THREADS), float32)  # two rows of one value per thread
+            lane_state.count = 0
         t = cuda.threadIdx.x + cuda.blockDim.x * (cuda.threadIdx.y + cuda.blockDim.y * cuda.threadIdx.z)
-        scratch[t] = x
+        # Alternate between two rows, so one barrier is enough: a lane can write row r
+        # again only after the next exchange's barrier, which every lane reaches only
+        # after reading row r here.
+        row = lane_state.count % 2
+        lane_state.count += 1
+        scratch = lane_state.scratch
+        scratch[row, t] = x
         cuda.syncthreads()  # every lane's value is written before any lane reads its warp's
         first = t - t % WARP
-        lanes = scratch[first:first + WARP].copy()
-        cuda.syncthreads()  # all have read: the next call may overwrite scratch
-        return lanes
+        return scratch[row, first:first + WARP].copy()
 
     @cuda.jit(device=True)
     def warp_sum(x):
-        scratch = cuda.shared.array(MAX_THREADS, float32)  # (threads in the block,) one value per thread
-        lanes = exchange(x, scratch)
+        lanes = exchange(x)
         offset = WARP // 2
         while offset > 0:  # the shuffle rounds, replayed: lane j adds lane j + offset
             lanes = lanes[:offset] + lanes[offset:2 * offset]
@@ -78,8 +90,7 @@ else:
 
     @cuda.jit(device=True)
     def warp_max(x):
-        scratch = cuda.shared.array(MAX_THREADS, float32)
-        return exchange(x, scratch).max()  # max is exact: any order gives the same value
+        return exchange(x).max()  # max is exact: any order gives the same value
 # --8<-- [end:warp_reduce]
 
 

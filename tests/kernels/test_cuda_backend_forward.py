@@ -1,0 +1,70 @@
+"""The cuda backend's forward pass against the numpy backend's, on the tiny synthetic model
+(2 layers, d 128, ff 192, 2 heads, 1 KV head, hd 64, Q4_1 matrices, a Q8_0 tied head):
+teacher-forced prompt logits, decode-step logits and greedy tokens. The simulator runs
+it in CI, a GPU with STRATA_NB_GPU=1.
+
+The prompt is 10 tokens, so prefill takes the tiled matmul (more than 8 rows) and each
+decode step the matvec (1 row): both paths, every op, the fp16 KV cache in between.
+
+Tolerance: each kernel is within its own written tolerance of its reference (about
+1e-6 relative, test_dense_kernels.py), but the KV cache rounds K and V to fp16, and a
+value that moved by 1e-6 can round to the neighbouring fp16 (2^-11 = 5e-4 relative).
+A few such cells move an attention output by a fraction of that, and the logits follow.
+So logits must agree within LOGIT_ATOL = 1e-3 of the largest logit: 10x the
+largest gap seen (1e-4), and far below the gap between the top two logits of any step
+here, which the greedy-token check relies on.
+"""
+import numpy as np
+import pytest
+
+from strata_nb.backend.cuda_backend import CudaBackend, DeviceMatrix
+from strata_nb.backend.numpy_backend import NumpyBackend
+from strata_nb.engine.engine import Engine
+from strata_nb.model.gguf_file import GGUFModel
+from strata_nb.settings import Settings
+
+pytestmark = pytest.mark.slow  # ~30 s under the simulator: every CUDA thread is a Python thread
+
+PROMPT = [3 + ord(c) for c in "the cat sat"][:10]  # byte tokens (ids 0..2 are the specials)
+DECODE_STEPS = 2
+LOGIT_ATOL = 1e-3  # times the largest |logit| of the step
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model):
+    settings = Settings(model=tiny_model, kv="fp16", max_context=64, device="cpu")
+    model = GGUFModel(tiny_model)
+    return Engine(settings, model, NumpyBackend()), Engine(settings, model, CudaBackend())
+
+
+def assert_logits_close(got, want):
+    bound = LOGIT_ATOL * np.abs(want).max()
+    err = np.abs(got - want).max()
+    assert err <= bound, f"logits differ by {err:.3g} > {bound:.3g}"
+
+
+def test_weights_stay_quantized_on_the_device(engines):
+    w = engines[1].weights
+    assert isinstance(w.layers[0].wqkv, DeviceMatrix) and w.layers[0].wqkv.qtype == "Q4_1"
+    assert w.layers[0].wqkv.shape == (2 * 64 + 2 * 64, 128)  # q (2 heads) | k | v, by d
+    assert w.output is w.token_embd and w.token_embd.qtype == "Q8_0"
+
+
+def greedy(engine):
+    """Teacher-forced prompt logits, then DECODE_STEPS greedy steps: (logits, tokens)."""
+    prompt = engine.score(PROMPT)  # (10, vocab): every position's logits, through prefill
+    logits, tokens = [prompt], [int(np.argmax(prompt[-1]))]
+    for step in range(DECODE_STEPS):
+        logits.append(engine.decode_one_token(tokens[-1], len(PROMPT) + step))
+        tokens.append(int(np.argmax(logits[-1])))
+    return logits, tokens
+
+
+def test_prefill_decode_and_greedy_tokens_match_numpy(engines):
+    assert len(PROMPT) > 8  # prefill takes the matmul path
+    (want, want_tokens), (got, got_tokens) = greedy(engines[0]), greedy(engines[1])
+    assert got_tokens == want_tokens
+    assert got[0].shape == want[0].shape == (len(PROMPT), engines[0].config.vocab_size)
+    for g, w in zip(got, want):
+        for row_got, row_want in zip(np.atleast_2d(g), np.atleast_2d(w)):
+            assert_logits_close(row_got, row_want)

@@ -1,0 +1,224 @@
+"""The dense model kernels against their references: matvec and matmul within
+dot_tolerance for every weight type, rmsnorm and swiglu within theirs, RoPE, the residual
+add, embed and argmax bit for bit; the warp reductions against the butterfly order.
+
+Small, irregular shapes under the simulator (37 rows of W, 11/20/40 rows of x, a row
+norm of 100 values); the default model's shapes with STRATA_NB_GPU=1. Same test bodies.
+"""
+import gguf
+import numpy as np
+import pytest
+from numba import cuda, float32
+
+from conftest import ON_GPU
+from strata_nb.backend.numpy_backend import NumpyBackend
+from strata_nb.kernels.argmax import THREADS as ARGMAX_THREADS, argmax, argmax_ref
+from strata_nb.kernels.embed import embed, embed_ref
+from strata_nb.kernels.matmul import matmul, matmul_ref
+from strata_nb.kernels.matvec import dot_tolerance, matvec, matvec_ref
+from strata_nb.kernels.reduce import warp_max, warp_sum
+from strata_nb.kernels.residual import residual, residual_ref
+from strata_nb.kernels.rmsnorm import rmsnorm, rmsnorm_ref, rmsnorm_tolerance
+from strata_nb.kernels.rope import rope_qkv, rope_qkv_ref
+from strata_nb.kernels.swiglu import ATOL as SWIGLU_ATOL, RTOL as SWIGLU_RTOL, swiglu, swiglu_ref
+from strata_nb.model.dequant import dequantize
+
+QTYPES = ["Q4_0", "Q4_1", "Q8_0", "F32", "F16"]
+# (out, in) of W: the default model's FFN and output head on a GPU; 37 rows (not a
+# multiple of the 4 rows a block takes) of 3 quantization blocks under the simulator.
+MATVEC_SHAPES = [(1536, 576), (576, 1536), (49152, 576)] if ON_GPU else [(37, 96)]
+# Every type at 1 row; 3 and 8 rows (8 fills `acc`) for Q4_1, the default model's type,
+# under the simulator, where each row of W costs ~20 ms a row of x.
+MATVEC_CASES = [(q, n) for q in QTYPES for n in ((1, 3, 8) if ON_GPU or q == "Q4_1" else (1,))]
+# (qtype, rows of x, (out, in)): one tile with a partial 128-value step; two tiles of W
+# and two steps; two tiles of x. On a GPU, the default model's shapes.
+MATMUL_CASES = ([(q, n, (1536, 576)) for q in QTYPES for n in (11, 300)] + [("Q4_1", 257, (576, 1536))]
+                if ON_GPU else
+                [(q, 11, (29, 96)) for q in QTYPES] + [("Q4_1", 20, (37, 160)), ("Q8_0", 33, (29, 96))])
+N_ROWS = 67 if ON_GPU else 3  # activation rows for the elementwise kernels
+D = 576 if ON_GPU else 100  # hidden size: 100 is not a multiple of the warp
+
+
+def quantized(rng, qtype, shape, scale=0.1):
+    """Random weights in GGUF form: (out, bytes_per_row) uint8 rows."""
+    w = (rng.standard_normal(shape) * scale).astype(np.float32)
+    if qtype == "F32":
+        return w.view(np.uint8)
+    if qtype == "F16":
+        return w.astype(np.float16).view(np.uint8)
+    return gguf.quants.quantize(w, getattr(gguf.GGMLQuantizationType, qtype))
+
+
+def within(got, want, bound) -> bool:
+    return bool((np.abs(got.astype(np.float64) - want) <= bound).all())
+
+
+def assert_within(got, want, bound):
+    err = np.abs(got.astype(np.float64) - want)
+    assert (err <= bound).all(), f"off by up to {err.max():.3g}, {(err / bound).max():.3g} x the tolerance"
+
+
+# ---- warp reductions -----------------------------------------------------------------------
+
+@cuda.jit
+def reduce_kernel(values, sums, maxes):
+    t = cuda.grid(1)
+    sums[t] = warp_sum(values[t])
+    maxes[t] = warp_max(values[t])
+
+
+def butterfly_sum(lanes):
+    """The order five shfl_xor rounds add 32 values in (lane 0's view)."""
+    lanes = lanes.copy()
+    offset = 16
+    while offset:
+        lanes = lanes[:offset] + lanes[offset:2 * offset]
+        offset //= 2
+    return lanes[0]
+
+
+def test_warp_sum_and_max_in_every_lane_in_butterfly_order():
+    rng = np.random.default_rng(0)
+    values = (rng.standard_normal(64) * np.float32(10.0) ** rng.integers(-3, 4, 64)).astype(np.float32)
+    sums, maxes = np.zeros(64, np.float32), np.zeros(64, np.float32)
+    reduce_kernel[1, 64](values, sums, maxes)
+    for w in range(2):
+        lanes = values[32 * w:32 * (w + 1)]
+        assert (sums[32 * w:32 * (w + 1)] == butterfly_sum(lanes)).all()
+        assert (maxes[32 * w:32 * (w + 1)] == lanes.max()).all()
+
+
+# ---- matvec and matmul ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("shape", MATVEC_SHAPES)
+@pytest.mark.parametrize("qtype, n", MATVEC_CASES)
+def test_matvec_matches_ref(qtype, n, shape):
+    rng = np.random.default_rng(n)
+    raw = quantized(rng, qtype, shape)
+    x = rng.standard_normal((n, shape[1])).astype(np.float32)
+    want, got = np.zeros((n, shape[0]), np.float32), np.full((n, shape[0]), np.nan, np.float32)
+    matvec_ref(x, raw, qtype, want)
+    matvec(x, raw, qtype, got)
+    assert_within(got, want, dot_tolerance(x, dequantize(raw, qtype)))
+
+
+def test_matvec_tolerance_catches_one_zeroed_scale():
+    """Negative control: zero the scale d of one block of one row; the kernel's output
+    must leave the tolerance around the intact weights' reference."""
+    rng = np.random.default_rng(7)
+    out, n_in = MATVEC_SHAPES[0]
+    raw = quantized(rng, "Q8_0", (out, n_in))
+    x = rng.standard_normal((1, n_in)).astype(np.float32)
+    want, got = np.zeros((1, out), np.float32), np.zeros((1, out), np.float32)
+    matvec_ref(x, raw, "Q8_0", want)
+    broken = raw.copy()
+    broken[5, 34:36] = 0  # d of block 1 of row 5 (fp16 0.0)
+    matvec(x, broken, "Q8_0", got)
+    bound = dot_tolerance(x, dequantize(raw, "Q8_0"))
+    assert not within(got, want, bound)
+    keep = np.arange(out) != 5
+    assert within(got[:, keep], want[:, keep], bound[:, keep])  # only row 5 moved
+
+
+@pytest.mark.parametrize("qtype, n, shape", MATMUL_CASES)
+def test_matmul_matches_ref(qtype, n, shape):
+    rng = np.random.default_rng(n)
+    raw = quantized(rng, qtype, shape)
+    x = rng.standard_normal((n, shape[1])).astype(np.float32)
+    want, got = np.zeros((n, shape[0]), np.float32), np.full((n, shape[0]), np.nan, np.float32)
+    matmul_ref(x, raw, qtype, want)
+    matmul(x, raw, qtype, got)
+    assert_within(got, want, dot_tolerance(x, dequantize(raw, qtype)))
+
+
+# ---- the elementwise and row ops -----------------------------------------------------------
+
+def test_rmsnorm_matches_ref_and_numpy_backend():
+    rng = np.random.default_rng(1)
+    x = (rng.standard_normal((N_ROWS, D)) * 3).astype(np.float32)
+    x[0] = 0  # an all-zero row: eps keeps it finite
+    w = (1 + 0.1 * rng.standard_normal(D)).astype(np.float32)
+    want, got = np.zeros_like(x), np.zeros_like(x)
+    rmsnorm_ref(x, w, 1e-5, want)
+    rmsnorm(x, w, 1e-5, got)
+    assert want.tobytes() == NumpyBackend().rmsnorm(x, w, 1e-5).tobytes()
+    assert_within(got, want, rmsnorm_tolerance(want))
+
+
+def test_rope_qkv_matches_numpy_backend_bit_for_bit():
+    rng = np.random.default_rng(2)
+    n_heads, n_kv, hd = (9, 3, 64) if ON_GPU else (3, 1, 8)
+    qkv = rng.standard_normal((N_ROWS, (n_heads + 2 * n_kv) * hd)).astype(np.float32)
+    angles = rng.uniform(0, 100, (N_ROWS, hd // 2))
+    cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    want = [np.zeros((N_ROWS, h, hd), np.float32) for h in (n_heads, n_kv, n_kv)]
+    got = [np.zeros_like(a) for a in want]
+    rope_qkv_ref(qkv, cos, sin, *want)
+    rope_qkv(qkv, cos, sin, *got)
+    backend = NumpyBackend().rope_qkv(qkv, cos, sin, n_heads, n_kv, hd)
+    for g, r, b in zip(got, want, backend):
+        assert r.tobytes() == np.ascontiguousarray(b).tobytes()
+        assert g.tobytes() == r.tobytes()
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast")  # the simulator's exp is Python's, in float64
+def test_swiglu_matches_ref():
+    rng = np.random.default_rng(3)
+    ff = 1536 if ON_GPU else 50
+    gate_up = (rng.standard_normal((N_ROWS, 2 * ff)) * 4).astype(np.float32)
+    gate_up[0, :3] = [-100.0, 0.0, 100.0]  # exp overflows, silu(0) = 0, silu(g) = g
+    want, got = np.zeros((N_ROWS, ff), np.float32), np.zeros((N_ROWS, ff), np.float32)
+    with np.errstate(over="ignore"):
+        swiglu_ref(gate_up, want)
+        assert want.tobytes() == NumpyBackend().swiglu(gate_up).tobytes()
+    swiglu(gate_up, got)
+    assert_within(got, want, SWIGLU_RTOL * np.abs(want) + SWIGLU_ATOL)
+
+
+def test_residual_add_bit_for_bit():
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((N_ROWS, D)).astype(np.float32)
+    y = rng.standard_normal((N_ROWS, D)).astype(np.float32)
+    want, got = x.copy(), x.copy()
+    residual_ref(want, y)
+    residual(got, y)
+    assert got.tobytes() == want.tobytes() == (x + y).tobytes()
+
+
+@pytest.mark.parametrize("qtype", [None, "Q8_0", "Q4_0", "Q4_1", "F16"])
+def test_embed_bit_for_bit(qtype):
+    rng = np.random.default_rng(5)
+    rows, d = ((49152, 576) if qtype else (8192, 32)) if ON_GPU else ((50, 96) if qtype else (40, 32))
+    table = quantized(rng, qtype, (rows, d), scale=0.5) if qtype else rng.standard_normal((rows, d)).astype(np.float32)
+    ids = rng.integers(0, rows, N_ROWS + 2).astype(np.int32)
+    ids[:2] = [rows - 1, ids[-1]]  # the last row; a repeated id
+    want, got = np.zeros((len(ids), d), np.float32), np.full((len(ids), d), np.nan, np.float32)
+    embed_ref(table, ids, want, qtype)
+    embed(table, ids, got, qtype)
+    assert got.tobytes() == want.tobytes()
+    dense = table if qtype is None else dequantize(table, qtype)
+    assert want.tobytes() == NumpyBackend().embed(dense, ids).tobytes()
+
+
+def test_argmax_first_index_on_ties():
+    rng = np.random.default_rng(6)
+    vocab = 49152 if ON_GPU else 300
+    logits = rng.standard_normal((4, vocab)).astype(np.float32)
+    logits[0, [270, 17, 17 + ARGMAX_THREADS]] = 50.0  # a three-way tie, two in one thread's share
+    logits[1, :] = -np.inf  # nothing finite: index 0, as np.argmax
+    logits[2, vocab - 1] = 60.0  # the last index
+    logits[3, [ARGMAX_THREADS + 1, 2]] = 70.0  # the later index in the earlier thread (1 before 2)
+    want, got = np.zeros(4, np.int32), np.full(4, -1, np.int32)
+    argmax_ref(logits, want)
+    argmax(logits, got)
+    assert list(want) == [17, 0, vocab - 1, 2]
+    assert got.tobytes() == want.tobytes()
+
+
+def test_numpy_backend_matmul_is_the_ref():
+    rng = np.random.default_rng(8)
+    raw = quantized(rng, "Q4_1", (37, 96))
+    x = rng.standard_normal((3, 96)).astype(np.float32)
+    want = np.zeros((3, 37), np.float32)
+    matvec_ref(x, raw, "Q4_1", want)
+    assert want.tobytes() == NumpyBackend().matmul(x, dequantize(raw, "Q4_1")).tobytes()
