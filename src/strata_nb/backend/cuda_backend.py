@@ -44,7 +44,10 @@ class CudaBackend:
         return a
 
     def to_numpy(self, a) -> np.ndarray:
-        return a.copy_to_host() if hasattr(a, "copy_to_host") else np.asarray(a)
+        if isinstance(a, np.ndarray):  # NumPy or mapped host memory: wait for the kernels that write it
+            cuda.synchronize()
+            return np.array(a)
+        return a.copy_to_host()
 
     def host_array(self, shape, dtype):
         """Pinned, device-mapped host memory: the authoritative host copy."""

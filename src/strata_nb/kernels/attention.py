@@ -36,7 +36,7 @@ import math
 import numpy as np
 from numba import cuda, float32
 
-from strata_nb.kernels.launch import DeviceArgs, expect, expect_pool, float16_view, host_or_absent
+from strata_nb.kernels.launch import DeviceArgs, expect, expect_pool, host_or_absent, view_bytes
 from strata_nb.kernels.quant_int8 import dequantize_int8_ref, dequantize_int8_row
 from strata_nb.kernels.quant_q4_0 import dequantize_q4_0_ref, dequantize_q4_0_row
 from strata_nb.kv.formats import BLOCK, FORMATS, check_format, pool_arrays
@@ -231,7 +231,7 @@ def side_arrays(kind, side, arrays, dev):
     if kind == "int8":
         return dev.read(arrays[f"{side}_q"]), dev.read(arrays[f"{side}_s"])
     a = dev.read(arrays[f"{side}_q4"])
-    return a, float16_view(a)  # d of block g at [9 * g]
+    return a, view_bytes(a, np.float16)  # d of block g at [9 * g]
 
 
 def attention(fmt, q, q_pos, blocks, page_table, pool, host, out):

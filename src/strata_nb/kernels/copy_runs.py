@@ -52,4 +52,6 @@ def copy_runs(src, dst, src_index, dst_index):
 
 def as_words(a):
     """A pool/host array (n_blocks, n_kv, BLOCK, ...) as (n_blocks, run_words) uint32."""
-    return a.reshape(a.shape[0], -1).view(np.uint32)
+    if isinstance(a, np.ndarray) and hasattr(a, "__cuda_array_interface__"):
+        a = cuda.as_cuda_array(a)  # a mapped host copy: numba-cuda 0.30 cannot view() it directly
+    return a.reshape(a.shape[0], a.size // a.shape[0]).view(np.uint32)

@@ -14,12 +14,15 @@ cells written while their block is not resident are lost (kv_append_k8v4.py).
 """
 from __future__ import annotations
 
+import numpy as np
 from numba import cuda
 
-from strata_nb.kernels.launch import (DeviceArgs, expect_pool, expect_window, float16_view, grid_for,
-                                      host_or_absent)
+from strata_nb.kernels.launch import (DeviceArgs, expect_pool, expect_window, grid_for, host_or_absent,
+                                      view_bytes)
 from strata_nb.kernels.quant_q4_0 import quantize_q4_0_group, quantize_q4_0_ref
 from strata_nb.kv.formats import BLOCK, Q4_GROUP, pool_arrays
+
+F16 = np.float16  # q4_0's d fields, read and written through a float16 view of the bytes
 
 
 # --8<-- [start:kv_append_q4_ref]
@@ -89,5 +92,5 @@ def kv_append_q4(k_new, v_new, positions, page_table, k_q4, v_q4, host_k_q4, hos
         host_k_q4, host_v_q4 = dev.write(host_k_q4), dev.write(host_v_q4)
         kv_append_q4_kernel[grid_for(lanes)](
             dev.read(k_new), dev.read(v_new), dev.read(positions), dev.read(page_table),
-            k_q4, float16_view(k_q4), v_q4, float16_view(v_q4),
-            host_k_q4, float16_view(host_k_q4), host_v_q4, float16_view(host_v_q4))
+            k_q4, view_bytes(k_q4, F16), v_q4, view_bytes(v_q4, F16),
+            host_k_q4, view_bytes(host_k_q4, F16), host_v_q4, view_bytes(host_v_q4, F16))

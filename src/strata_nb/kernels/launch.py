@@ -56,15 +56,13 @@ class DeviceArgs:
         return False
 
 
-def float16_view(a):
-    """The same bytes as float16: how kernels reach q4_0's `d` fields.
-
-    A mapped host array is wrapped as a device array first: numba-cuda's view() of a
-    mapped array fails (it asks is_c_contiguous(), which mapped arrays lack).
-    """
+def view_bytes(a, dtype):
+    """The same bytes as another dtype (q4_0's `d` fields as float16, say), for any array
+    a launcher takes. A mapped host array is wrapped as a device array first: numba-cuda
+    0.30's view() of a mapped array fails (it asks for attributes mapped arrays lack)."""
     if isinstance(a, np.ndarray) and hasattr(a, "__cuda_array_interface__"):
         a = cuda.as_cuda_array(a)
-    return a.view(np.float16)
+    return a.view(dtype)
 
 
 def grid_for(lanes: int) -> tuple[int, int]:
