@@ -12,7 +12,7 @@ import numpy as np
 from strata_nb.backend.numpy_backend import NumpyBackend
 from strata_nb.kernels.hadamard import hadamard_ref
 from strata_nb.kernels.quant_int8 import dequantize_int8_ref
-from strata_nb.kernels.quant_q4_0 import dequantize_q4_0_ref
+from strata_nb.kernels.quant_q4_0 import dequantize_q4_0_ref, quantize_q4_0_ref
 from strata_nb.kv.formats import BLOCK, USER_FORMATS, pool_arrays, rotates
 from strata_nb.kv.writer import KVDest, append_cells
 
@@ -49,3 +49,6 @@ for fmt in USER_FORMATS:
         return np.abs(y - x[0]).max()
 
     print(f"  cell      {total:4d} B   max |error|: K {stored('k', k):.4f}, V {stored('v', v):.4f}")
+
+plain = np.abs(dequantize_q4_0_ref(quantize_q4_0_ref(k)) - k).max()
+print(f"q4_0 K without the Hadamard rotation: max |error| {plain:.4f} (the outlier sets its block's d)")

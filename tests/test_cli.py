@@ -35,7 +35,6 @@ def test_run_reads_stdin_and_prints_stats(tiny_model, capsys, monkeypatch):
     (["run", "--kv", "bogus", "hi"], "'bogus' is not one of"),
     (["run", "--top-p", "0", "hi"], "--top-p must be in (0, 1]"),
     (["run", "--max-context", "4", "hi"], "--max-context must be at least 16"),
-    (["run", "--device", "cuda", "hi"], "not built yet"),
     (["run", "--max-tokens", "x", "hi"], "'x' is not a valid integer"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, message, tiny_model, capsys):

@@ -3,6 +3,7 @@
     python tools/measure_docs.py compare      # compare-kv on the bundled document (~3 min on 2 cores)
     python tools/measure_docs.py stream       # streaming counters, ~6,000-token prompt (~10 min)
     python tools/measure_docs.py fault        # the missing-mirror lab's outputs (~2 min)
+    python tools/measure_docs.py examples     # what the model-free examples print (seconds)
 
 Every page shows the command that produced its numbers; nothing here is typed by hand.
 CI does not run this (it takes minutes); the docs build only includes its output.
@@ -17,7 +18,11 @@ import tempfile
 from importlib import resources
 from pathlib import Path
 
-OUT = Path(__file__).resolve().parents[1] / "docs" / "measured"
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "docs" / "measured"
+# Examples whose output needs no model and no clock: the pages show what they print, and
+# tests/test_examples.py checks that the captured output is still what they print.
+CAPTURED_EXAMPLES = ("quantize_one_cell", "stream_blocks", "ring_restore")
 DOC = resources.files("strata_nb.data").joinpath("default_document.txt").read_text()
 
 
@@ -77,7 +82,17 @@ def fault():
                                       + "\n".join(rows))
 
 
+def examples():
+    for name in CAPTURED_EXAMPLES:
+        done = subprocess.run([sys.executable, f"examples/{name}.py"], cwd=ROOT, capture_output=True, text=True)
+        if done.returncode != 0:
+            sys.exit(f"examples/{name}.py failed:\n{done.stderr}")
+        (OUT / f"example_{name}.md").write_text(
+            f"Printed by `python examples/{name}.py` (captured with `python tools/measure_docs.py examples`):\n\n"
+            f"```text\n{done.stdout.rstrip()}\n```\n")
+
+
 if __name__ == "__main__":
     OUT.mkdir(parents=True, exist_ok=True)
-    for what in sys.argv[1:] or ["compare", "stream", "fault"]:
-        {"compare": compare, "stream": stream, "fault": fault}[what]()
+    for what in sys.argv[1:] or ["compare", "stream", "fault", "examples"]:
+        {"compare": compare, "stream": stream, "fault": fault, "examples": examples}[what]()

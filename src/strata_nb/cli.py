@@ -20,7 +20,8 @@ def engine_options(f):
         click.option("--kv", type=KV_CHOICE, default="fp16", show_default=True, help="KV cache format."),
         click.option("--kv-resident", type=int, default=0, show_default=True,
                      help="KV cells per layer kept in VRAM; 0 = fully resident."),
-        click.option("--max-context", type=int, default=8192, show_default=True, help="KV cells per layer."),
+        click.option("--max-context", type=int, default=None,
+                     help="KV cells per layer (default: the model's trained context, 8192 for the default model)."),
         click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
                      help="cpu runs the NumPy references; cuda the Numba-CUDA kernels."),
         click.option("--prefill-chunk", type=int, default=256, show_default=True,
@@ -68,6 +69,8 @@ def run(prompt, max_tokens, temperature, top_k, top_p, seed, raw, stats, **engin
         if sys.stdin is None or sys.stdin.isatty():
             raise StrataError("give a prompt as an argument or on stdin")
         prompt = sys.stdin.read()
+    if not prompt.strip():
+        raise StrataError("the prompt is empty")
     sampling = SamplingSettings(max_tokens, temperature, top_k, top_p, seed)  # check flags before loading
     eng = load_engine(**engine_kw)
     ids = eng.prompt_ids(prompt, chat=not raw)

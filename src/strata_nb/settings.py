@@ -18,7 +18,7 @@ class Settings:
     kv_window: int = 256  # recent cells per layer held in the ring (streaming)
     qsa_budget: int = 0  # cells a query reads with block selection; 0 = every cell
     device: str = "auto"  # auto, cpu (the numpy backend), cuda
-    max_context: int = 8192  # cells per layer the KV cache holds
+    max_context: int | None = None  # cells per layer the KV cache holds; None = the model's trained context
     prefill_chunk: int = 256  # prompt tokens per forward pass
     fault: str = "none"  # teaching switch: drop-v-mirror reproduces the unfolded-V-half bug
 
@@ -27,7 +27,7 @@ class Settings:
             raise StrataError(f"--kv {self.kv!r} is not a KV format; choose one of fp16, int8, q4_0, k8v4")
         if self.device not in DEVICES:
             raise StrataError(f"--device {self.device!r} is not one of {', '.join(DEVICES)}")
-        if self.max_context < BLOCK:
+        if self.max_context is not None and self.max_context < BLOCK:
             raise StrataError(f"--max-context must be at least {BLOCK} (one block), got {self.max_context}")
         if self.kv_resident < 0:
             raise StrataError(f"--kv-resident must be 0 (fully resident) or a positive cell count, got {self.kv_resident}")

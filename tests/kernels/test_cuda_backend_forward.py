@@ -24,7 +24,7 @@ from strata_nb.backend.cuda_backend import CudaBackend, DeviceMatrix
 from strata_nb.backend.numpy_backend import NumpyBackend
 from strata_nb.engine.engine import Engine
 from strata_nb.errors import StrataError
-from strata_nb.model.gguf_file import GGUFModel
+from strata_nb.model.gguf_file import GGUFModel, QTensor
 from strata_nb.settings import Settings
 
 PROMPT = [3 + ord(c) for c in "the cat sat"][:10]  # byte tokens (ids 0..2 are the specials)
@@ -50,6 +50,17 @@ def test_weights_stay_quantized_on_the_device(engines):
     assert isinstance(w.layers[0].wqkv, DeviceMatrix) and w.layers[0].wqkv.qtype == "Q4_1"
     assert w.layers[0].wqkv.shape == (2 * 64 + 2 * 64, 128)  # q (2 heads) | k | v, by d
     assert w.output is w.token_embd and w.token_embd.qtype == "Q8_0"
+
+
+def test_matrix_stacks_rows_and_refuses_mixed_types():
+    be = CudaBackend()
+    q = QTensor("q", "Q8_0", (2, 32), np.arange(68, dtype=np.uint8).reshape(2, 34))
+    k = QTensor("k", "Q8_0", (1, 32), np.full((1, 34), 7, np.uint8))
+    m = be.matrix(q, k)
+    assert (m.qtype, m.shape) == ("Q8_0", (3, 32))
+    assert be.to_numpy(m.raw).tobytes() == np.concatenate([q.raw, k.raw]).tobytes()
+    with pytest.raises(StrataError, match="q is Q8_0, v is Q4_1"):
+        be.matrix(q, QTensor("v", "Q4_1", (1, 32), np.zeros((1, 20), np.uint8)))
 
 
 def greedy(engine):

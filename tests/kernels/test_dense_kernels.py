@@ -2,13 +2,13 @@
 dot_tolerance for every weight type, rmsnorm and swiglu within theirs, RoPE, the residual
 add, embed and argmax bit for bit; the warp reductions against the butterfly order.
 
-Small, irregular shapes under the simulator (37 rows of W, 11/20/40 rows of x, a row
+Small, irregular shapes under the simulator (29 and 37 rows of W, 11/20/33 rows of x, a row
 norm of 100 values); the default model's shapes with STRATA_NB_GPU=1. Same test bodies.
 """
 import gguf
 import numpy as np
 import pytest
-from numba import cuda, float32
+from numba import cuda
 
 from conftest import ON_GPU
 from strata_nb.backend.numpy_backend import NumpyBackend
@@ -24,11 +24,11 @@ from strata_nb.kernels.swiglu import ATOL as SWIGLU_ATOL, RTOL as SWIGLU_RTOL, s
 from strata_nb.model.dequant import dequantize
 
 QTYPES = ["Q4_0", "Q4_1", "Q8_0", "F32", "F16"]
-# (out, in) of W: the default model's FFN and output head on a GPU; 37 rows (not a
-# multiple of the 4 rows a block takes) of 3 quantization blocks under the simulator.
+# (out, in) of W: the default model's FFN and output head on a GPU; under the simulator
+# 37 rows (not a multiple of the 4 rows a warp takes) of 3 quantization blocks.
 MATVEC_SHAPES = [(1536, 576), (576, 1536), (49152, 576)] if ON_GPU else [(37, 96)]
-# Every type at 1 row; 3 and 8 rows (8 fills `acc`) for Q4_1, the default model's type,
-# under the simulator, where each row of W costs ~20 ms a row of x.
+# Every type at 1 row of x; 3 and 8 rows (8 fills `acc`) for Q4_1, the default model's
+# type, under the simulator, where each row of W costs ~2 ms a row of x.
 MATVEC_CASES = [(q, n) for q in QTYPES for n in ((1, 3, 8) if ON_GPU or q == "Q4_1" else (1,))]
 # (qtype, rows of x, (out, in)): one tile with a partial 128-value step; two tiles of W
 # and two steps; two tiles of x. On a GPU, the default model's shapes.

@@ -48,6 +48,8 @@ class Engine:
     def __init__(self, settings: Settings, model: GGUFModel, be, shared: "Engine | None" = None):
         self.settings, self.model, self.be = settings, model, be
         self.config = model.config
+        if settings.max_context is None:
+            settings.max_context = self.config.context_length
         if settings.max_context > self.config.context_length:
             raise StrataError(f"--max-context {settings.max_context} exceeds the model's trained context "
                               f"of {self.config.context_length}")
@@ -63,7 +65,7 @@ class Engine:
 
     @classmethod
     def load(cls, model: str | None = None, kv: str = "fp16", kv_resident: int = 0, device: str = "auto",
-             max_context: int = 8192, **more) -> "Engine":
+             max_context: int | None = None, **more) -> "Engine":
         """Open a GGUF (None = the default model, fetched on first use) and build the engine."""
         settings = Settings(model=model, kv=kv, kv_resident=kv_resident, device=device,
                             max_context=max_context, **more)
@@ -85,6 +87,7 @@ class Engine:
         """Token ids of `text` (special-token text becomes its id; no BOS is added)."""
         return self.tokenizer.encode(text)
 
+    # --8<-- [start:prompt_ids]
     def prompt_ids(self, prompt: str, chat: bool = True) -> list[int]:
         if not prompt.strip():
             raise StrataError("the prompt is empty")
@@ -94,6 +97,7 @@ class Engine:
             raise StrataError(f"the prompt is {len(ids)} tokens, which does not fit --max-context "
                               f"{self.settings.max_context} (leave room for at least one new token)")
         return ids
+    # --8<-- [end:prompt_ids]
 
     # ---- the verbs ----------------------------------------------------------------------
     # --8<-- [start:verbs]
@@ -149,6 +153,7 @@ class Engine:
         ids = self.prompt_ids(prompt, chat)
         yield from self.generate_ids(ids, s)
 
+    # --8<-- [start:generate_ids]
     def generate_ids(self, ids: list[int], s: SamplingSettings, on_token=None) -> Iterator[str]:
         rng = np.random.default_rng(s.seed)
         stats = self.last_stats = RunStats(prompt_tokens=len(ids))
@@ -177,3 +182,4 @@ class Engine:
         tail = decoder.flush()
         if tail:
             yield tail
+    # --8<-- [end:generate_ids]

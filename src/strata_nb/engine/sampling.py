@@ -6,6 +6,7 @@ import numpy as np
 from ..settings import SamplingSettings
 
 
+# --8<-- [start:sample]
 def sample(logits: np.ndarray, s: SamplingSettings, rng: np.random.Generator) -> int:
     """logits (vocab,) float32 -> one token id."""
     if s.temperature == 0.0:
@@ -24,3 +25,4 @@ def sample(logits: np.ndarray, s: SamplingSettings, rng: np.random.Generator) ->
         kept[keep] = p[keep]
         p = kept / kept.sum()
     return int(rng.choice(p.size, p=p))
+# --8<-- [end:sample]

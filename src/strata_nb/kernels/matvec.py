@@ -8,7 +8,6 @@ is the time to read the weights: the default model's 63 MiB of Q4_1 matrices plu
 29 MiB Q8_0 output head per token, against an H200's ~4.8 TB/s (~20 us a token at the
 ceiling). Arithmetic is cheap next to that, so the kernel is shaped around the reads:
 
-- one warp per row of W (the grid strides over rows when it is smaller than `out`);
 - a lane handles a *part*, 8 of the 32 values of a quantization block, so 4 neighbouring
   lanes cover one block and a warp covers 8 blocks: the warp's loads fall on one
   contiguous run of the row (coalesced), each lane loading its 4 bytes of codes as one
@@ -16,11 +15,23 @@ ceiling). Arithmetic is cheap next to that, so the kernel is shaped around the r
   bytes, so their codes sit only on 2-byte boundaries);
 - the fp16 scale d (and Q4_1's offset m) is loaded once per block by each of its 4 lanes:
   one address, so one transaction for the warp;
-- every activation row is accumulated from that one read of the weights (`acc`, up to 8
-  float32 sums per lane), so a verify window costs the weight reads of one step;
+- a warp works on 4 rows of W at once: their loads are in flight together, and each
+  value of x a lane loads (8 a part, the instruction it issues most) serves 4 weights;
+- every activation row is accumulated from that one read of the weights (`acc`, up to
+  4 x 8 float32 sums per lane), so a verify window costs the weight reads of one step;
 - `warp_sum` (reduce.py) adds the 32 lanes' partial sums at the end.
 
 x itself is read through the cache: every warp of the grid reads the same few KiB.
+
+Measured on an H200 (kernel alone, CUDA events, median of 7 x 20 launches; a
+device-to-device copy moved 3,875 GB/s counting read + write): the output head, Q8_0
+49152 x 576 (30 MB), 55 us at 1 row of x (545 GB/s) and 118 us at 8; Q4_1 32768 x 4096
+(84 MB), 169 us at 1 row (497 GB/s), 408 us at 8. One row of W per warp took 74, 250
+and 179 us. So the kernel reaches ~14% of the copy rate: a lane has one part (4 bytes
+of codes) in flight per row at a time, in 2- and 4-byte loads, and 115 registers allow
+16 warps per SM; 16-byte loads of a repacked layout (codes apart from scales) are the
+next step. The default model's layer matrices (<= 1.8 MB) take a few us on the GPU,
+well under the 30-50 us Python spends launching any kernel.
 
 The per-type dequantizers are small device functions with one signature,
 `part(a, b, blk, p, w)`: a and b are two views of one weight row (see QTYPES), blk the
@@ -35,7 +46,7 @@ one after another, then a 5-level tree over lanes; BLAS in its own blocked order
 float32 summation of k products is within (k + 1) * u * sum_i |x_i w_i| of the exact
 value (u = 2^-24; first order, whatever the order), so the two are within
 `dot_tolerance` = 2 (in + 1) u sum_i |x_i| |w_i| of each other, output by output. It is
-loose (random rounding errors grow like sqrt(k); the tests see about 1/100 of it), and
+loose (random rounding errors grow like sqrt(k); the tests see at most 1/30 of it), and
 still below what a real bug costs: one wrong scale moves 32 products, ~32 sum/in, which
 is 16 / (u in^2) times the bound (110x at in = 1536, 800x at in = 576); a single wrong
 weight of average size, 1 / (2 u in^2) times (3.5x at in = 1536).
@@ -53,9 +64,10 @@ QK = 32  # values per quantization block; F16/F32 rows are cut into 32-value blo
 PARTS = 4  # lanes per block
 PART = QK // PARTS  # 8 values per lane per block
 MAX_ROWS = 8  # activation rows per call: a decode step (1) or a verify window (<= 8)
-# Warps per thread block, each on its own row of W, and blocks at most. On a GPU every row
-# gets its own warp. The simulator runs every CUDA thread as a Python thread and wakes
-# them one by one at every barrier: one warp striding over all rows costs the least.
+ROWS_PER_WARP = 4  # rows of W a warp works through together
+# Warps per thread block and blocks at most. On a GPU every 4 rows get their own warp.
+# The simulator runs every CUDA thread as a Python thread and wakes them one by one at
+# every barrier: one warp striding over all rows costs the least.
 WARPS, MAX_BLOCKS = (1, 1) if config.ENABLE_CUDASIM else (4, 1 << 30)
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "F16": 64, "F32": 128}  # bytes per 32 values
 U = 2.0 ** -24  # float32 unit roundoff
@@ -187,37 +199,45 @@ def make_matvec_kernel(part, nibbles):
                       b,  # (out, *) view b of the same bytes
                       y):  # (n, out) float32, written
         lane, warp = cuda.threadIdx.x % WARP, cuda.threadIdx.x // WARP
-        warps = cuda.blockDim.x // WARP
         n, n_out = x.shape[0], y.shape[1]
         n_parts = x.shape[1] // PART  # the row's parts: lane l takes parts l, l + 32, ...
-        w = cuda.local.array(PART, float32)  # one part's weights
-        acc = cuda.local.array(MAX_ROWS, float32)  # this lane's partial sum for each row of x
-        # Grid-stride over the rows of W, a row per warp. Every warp of the block makes
-        # the same number of trips, so each trip's warp_sum is reached by all of them.
-        for first in range(cuda.blockIdx.x * warps, n_out, cuda.gridDim.x * warps):
-            o = first + warp
-            for r in range(MAX_ROWS):
-                acc[r] = float32(0.0)
-            if o < n_out:
-                a_row, b_row = a[o], b[o]
-                for q in range(lane, n_parts, WARP):
-                    blk, p = q // PARTS, q % PARTS
-                    part(a_row, b_row, blk, p, w)  # the weights are read here, and only here
-                    lo, hi = part_runs(nibbles, p)
-                    lo, hi = blk * QK + lo, blk * QK + hi  # the columns of w[0:4] and w[4:8]
-                    for r in range(MAX_ROWS):  # a constant trip count: acc stays in registers
-                        if r < n:
-                            total = acc[r]
-                            for j in range(4):
-                                total += w[j] * x[r, lo + j]
-                            for j in range(4):
-                                total += w[4 + j] * x[r, hi + j]
-                            acc[r] = total
-            for r in range(MAX_ROWS):
-                if r < n:  # n is the same for every thread, so the reduction stays collective
-                    total = warp_sum(acc[r])
-                    if lane == 0 and o < n_out:
-                        y[r, o] = total
+        w = cuda.local.array((ROWS_PER_WARP, PART), float32)  # one part of each of the warp's rows
+        xs = cuda.local.array(PART, float32)  # the 8 values of a row of x that part multiplies
+        acc = cuda.local.array((ROWS_PER_WARP, MAX_ROWS), float32)  # this lane's partial sums
+        rows_per_trip = cuda.blockDim.x // WARP * ROWS_PER_WARP
+        # Grid-stride over the rows of W, 4 per warp. Every warp of the block makes the
+        # same number of trips, so each trip's warp_sum is reached by all of them.
+        for first in range(cuda.blockIdx.x * rows_per_trip, n_out, cuda.gridDim.x * rows_per_trip):
+            o0 = first + warp * ROWS_PER_WARP  # the warp's first row of W
+            for k in range(ROWS_PER_WARP):
+                for r in range(MAX_ROWS):  # constant trip counts: the arrays stay in registers
+                    acc[k, r] = float32(0.0)
+            for q in range(lane, n_parts, WARP):
+                blk, p = q // PARTS, q % PARTS
+                for k in range(ROWS_PER_WARP):
+                    if o0 + k < n_out:
+                        part(a[o0 + k], b[o0 + k], blk, p, w[k])  # the weights are read here, and only here
+                    else:  # past the last row: zeros, whose sums are never stored
+                        for j in range(PART):
+                            w[k, j] = float32(0.0)
+                lo, hi = part_runs(nibbles, p)
+                lo, hi = blk * QK + lo, blk * QK + hi  # the columns of w[:, 0:4] and w[:, 4:8]
+                for r in range(MAX_ROWS):
+                    if r < n:
+                        for j in range(4):  # 8 loads of x, each used for 4 weights
+                            xs[j] = x[r, lo + j]
+                            xs[4 + j] = x[r, hi + j]
+                        for k in range(ROWS_PER_WARP):
+                            total = acc[k, r]
+                            for j in range(PART):
+                                total += w[k, j] * xs[j]
+                            acc[k, r] = total
+            for k in range(ROWS_PER_WARP):
+                for r in range(MAX_ROWS):
+                    if r < n:  # n is the same for every thread, so the reduction stays collective
+                        total = warp_sum(acc[k, r])
+                        if lane == 0 and o0 + k < n_out:
+                            y[r, o0 + k] = total
 
     return matvec_kernel
 
@@ -237,7 +257,7 @@ def matvec(x, raw, qtype, y):
     expect("y", y, np.float32, (n, n_out))
     if n == 0 or n_out == 0:
         return
-    blocks = min(-(-n_out // WARPS), MAX_BLOCKS)
+    blocks = min(-(-n_out // (WARPS * ROWS_PER_WARP)), MAX_BLOCKS)
     with DeviceArgs() as dev:
         a, b = weight_views(dev.read(raw), qtype)
         MATVEC_KERNELS[qtype][blocks, WARPS * WARP](dev.read(x), a, b, dev.write(y))

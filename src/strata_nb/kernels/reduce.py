@@ -64,7 +64,7 @@ else:
     def exchange(x):
         """The simulator's stand-in for the shuffles: this warp's 32 values as a (32,)
         float32 array. Every thread of the block must call it."""
-        if not hasattr(lane_state, "scratch"):  # the simulator's shared.array is slow: ask once
+        if not hasattr(lane_state, "scratch"):  # shared.array walks the Python stack each call: ask once
             lane_state.scratch = cuda.shared.array((2, MAX_THREADS), float32)  # two rows of one value per thread
             lane_state.count = 0
         t = cuda.threadIdx.x + cuda.blockDim.x * (cuda.threadIdx.y + cuda.blockDim.y * cuda.threadIdx.z)

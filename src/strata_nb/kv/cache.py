@@ -24,6 +24,7 @@ MIN_POOL_BLOCKS = 4  # slot-pool blocks beyond the ring at the minimum resident 
 MAX_STEP_QUERIES = 8  # a decode step (1) or a verify window (<= 8)
 
 
+# --8<-- [start:stream_plan]
 @dataclass(frozen=True)
 class StreamPlan:
     n_blocks: int  # blocks per layer in the host copy (the whole context)
@@ -55,6 +56,7 @@ class StreamPlan:
             return None
         n_ring = s.kv_window // BLOCK
         return cls(n_blocks, n_ring, cells // BLOCK - n_ring)
+# --8<-- [end:stream_plan]
 
 
 class LayerKV(KVDest):
@@ -152,14 +154,17 @@ class KVCache:
         return out
     # --8<-- [end:attend]
 
+    # --8<-- [start:select]
     def select(self, L, q, positions) -> np.ndarray:
         if self.qsa_budget == 0:
             return all_blocks_upto(positions)
         scores = self.be.zeros((q.shape[0], self.n_blocks), np.float32)
         self.be.op("block_scores")(q, L.kmin, L.kmax, scores)
         return select_blocks(self.be.to_numpy(scores), positions, self.window_blocks, self.qsa_budget)
+    # --8<-- [end:select]
 
     # ---- movers: every one copies the format's runs, none knows a format ----------------
+    # --8<-- [start:move]
     def _move(self, src: dict, dst: dict, pairs):
         if not pairs:
             return
@@ -170,11 +175,13 @@ class KVCache:
         for field in dst:
             self.be.op("copy_runs")(as_words(src[field]), as_words(dst[field]), src_index, dst_index)
         self.counters.bytes_moved += len(pairs) * self.block_bytes
+    # --8<-- [end:move]
 
     def _upload_table(self, L):
         self.be.copy_into(L.page_table, L.slots.page_table)
 
     # ---- snapshots: the host copy rewritten wholesale, then the ring restored ----------
+    # --8<-- [start:snapshot_restore]
     def snapshot(self, end: int) -> dict:
         """The K/V bytes (and QSA bounds) of cells [0, end), as host arrays."""
         nb = -(-end // BLOCK)
@@ -209,3 +216,4 @@ class KVCache:
                     self.be.op("ring_restore")(as_words(L.host[f]), as_words(L.pool[f]), end_block, self.plan.n_ring)
                 L.slots.reset_to_ring(end_block)
                 self._upload_table(L)
+    # --8<-- [end:snapshot_restore]

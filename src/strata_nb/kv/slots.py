@@ -16,6 +16,7 @@ import numpy as np
 from .formats import BLOCK
 
 
+# --8<-- [start:counters]
 @dataclass
 class StreamCounters:
     lookups: int = 0  # one per distinct selected block per query
@@ -41,8 +42,10 @@ class StreamCounters:
         d["hit_rate"] = self.hit_rate
         d["misses_per_step"] = self.misses_per_step
         return d
+# --8<-- [end:counters]
 
 
+# --8<-- [start:slot_table]
 class SlotTable:
     """One layer's maps. Invariant: page_table and slot_block are inverse where set."""
 
@@ -52,6 +55,7 @@ class SlotTable:
         self.slot_block = np.full(self.n_slots, -1, np.int32)  # slot -> block, -1 = free
         self.referenced = np.zeros(self.n_slots, bool)  # CLOCK reference bits (pool slots)
         self.hand = n_ring  # the CLOCK hand sweeps pool slots only
+    # --8<-- [end:slot_table]
 
     def reset(self):
         self.page_table[:] = -1

@@ -32,6 +32,7 @@ class ModelWeights:
     rope_sin: object  # (context_length, hd/2) float32
 
 
+# --8<-- [start:rope_tables]
 def rope_tables(cfg: ModelConfig, n_pos: int) -> tuple[np.ndarray, np.ndarray]:
     """cos/sin of pos * base^(-2i/hd) for each pair i, computed in float32 the way ggml does
     (theta multiplied by theta_scale once per pair), so positions agree with llama.cpp."""
@@ -42,6 +43,7 @@ def rope_tables(cfg: ModelConfig, n_pos: int) -> tuple[np.ndarray, np.ndarray]:
     for i in range(1, half):
         theta[:, i] = theta[:, i - 1] * theta_scale
     return np.cos(theta).astype(np.float32), np.sin(theta).astype(np.float32)
+# --8<-- [end:rope_tables]
 
 
 # --8<-- [start:load_weights]

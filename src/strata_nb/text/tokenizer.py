@@ -45,6 +45,7 @@ def _pre_tokenizer(pre: str):
 class Tokenizer:
     """Byte-level BPE from GGUF metadata, plus the chat template and a streaming decoder."""
 
+    # --8<-- [start:tokenizer_init]
     def __init__(self, gguf_model):
         from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models
 
@@ -68,11 +69,13 @@ class Tokenizer:
         self.stop_ids = {self.eos_id} | {vocab[t] for t in ("<|im_end|>", "<|endoftext|>") if t in vocab}
         self.chat_template = md("tokenizer.chat_template")
         self._bytes = _byte_decoder()
+    # --8<-- [end:tokenizer_init]
 
     @property
     def vocab_size(self) -> int:
         return len(self.tokens)
 
+    # --8<-- [start:encode]
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`; special-token text such as <|im_start|> becomes its id; no BOS."""
         return self._hf.encode(text, add_special_tokens=False).ids
@@ -83,10 +86,12 @@ class Tokenizer:
         if token_id in self.special_ids:
             return t.encode("utf-8")
         return bytes(self._bytes[c] for c in t)
+    # --8<-- [end:encode]
 
     def decode(self, ids) -> str:
         return b"".join(self.token_bytes(i) for i in ids).decode("utf-8", errors="replace")
 
+    # --8<-- [start:render_chat]
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """The prompt text for a conversation, rendered with the file's own template."""
         if not self.chat_template:
@@ -95,6 +100,7 @@ class Tokenizer:
             messages=messages, add_generation_prompt=add_generation_prompt,
             bos_token=self.tokens[self.bos_id] if self.bos_id is not None else "",
             eos_token=self.tokens[self.eos_id])
+    # --8<-- [end:render_chat]
 
 
 @lru_cache(maxsize=1)
@@ -109,6 +115,7 @@ def _jinja_env():
     return env
 
 
+# --8<-- [start:stream_decoder]
 class StreamDecoder:
     """Turns token ids into text pieces as they come, never splitting a UTF-8 character.
 
@@ -143,3 +150,4 @@ def _split_complete_utf8(buf: bytes) -> tuple[str, bytes]:
             cut = len(buf) - back
         break
     return buf[:cut].decode("utf-8", errors="replace"), buf[cut:]
+# --8<-- [end:stream_decoder]
