@@ -10,12 +10,18 @@ import importlib
 
 import numpy as np
 
+from ..kernels.rmsnorm import rmsnorm_ref
+from ..kernels.rope import rope_qkv_ref
+from ..kernels.swiglu import swiglu_ref
 from ..model.dequant import dequantize
 
 
 class NumpyBackend:
     name = "numpy"
     device = "cpu"
+
+    def __init__(self):
+        self._ops = {}  # kernel name -> its reference function
 
     # ---- arrays -------------------------------------------------------------------------
     def zeros(self, shape, dtype):
@@ -38,7 +44,9 @@ class NumpyBackend:
 
     def op(self, name: str):
         """The implementation of kernel file `kernels/<name>.py` this backend runs: its ref."""
-        return getattr(importlib.import_module(f"strata_nb.kernels.{name}"), f"{name}_ref")
+        if name not in self._ops:
+            self._ops[name] = getattr(importlib.import_module(f"strata_nb.kernels.{name}"), f"{name}_ref")
+        return self._ops[name]
 
     # ---- weights ------------------------------------------------------------------------
     def matrix(self, *qtensors):
@@ -60,28 +68,24 @@ class NumpyBackend:
         return x @ w.T
 
     def rmsnorm(self, x, w, eps: float):
-        # x (n, d) float32, w (d,) float32
-        ms = np.mean(x * x, axis=-1, keepdims=True)
-        return x * (1.0 / np.sqrt(ms + np.float32(eps))) * w
+        # x (n, d) float32, w (d,) float32 -> (n, d)
+        out = np.empty_like(x)
+        rmsnorm_ref(x, w, eps, out)
+        return out
 
     def rope_qkv(self, qkv, cos, sin, n_heads: int, n_kv: int, hd: int):
         # qkv (n, (n_heads + 2 n_kv) hd) float32 -> q (n, n_heads, hd), k, v (n, n_kv, hd);
-        # cos/sin (n, hd/2) float32 for each row's position. llama.cpp's converter permuted
-        # the Q/K rows, so adjacent pairs (2i, 2i+1) rotate together.
+        # cos/sin (n, hd/2) float32: each row's position (kernels/rope.py says which pairs turn)
         n = qkv.shape[0]
-        qk = qkv[:, : (n_heads + n_kv) * hd].reshape(n, n_heads + n_kv, hd)
-        x0, x1 = qk[..., 0::2], qk[..., 1::2]
-        c, s = cos[:, None, :], sin[:, None, :]
-        rot = np.empty_like(qk)
-        rot[..., 0::2] = x0 * c - x1 * s
-        rot[..., 1::2] = x0 * s + x1 * c
-        v = qkv[:, (n_heads + n_kv) * hd:].reshape(n, n_kv, hd)
-        return rot[:, :n_heads], rot[:, n_heads:], np.ascontiguousarray(v)
+        q, k, v = (np.empty((n, heads, hd), np.float32) for heads in (n_heads, n_kv, n_kv))
+        rope_qkv_ref(qkv, cos, sin, q, k, v)
+        return q, k, v
 
     def swiglu(self, gate_up):
-        # gate_up (n, 2 * ff) float32 -> (n, ff): silu(gate) * up
-        g, u = np.split(gate_up, 2, axis=-1)
-        return g / (1.0 + np.exp(-g)) * u
+        # gate_up (n, 2 ff) float32 -> (n, ff): silu(gate) * up
+        out = np.empty((gate_up.shape[0], gate_up.shape[1] // 2), np.float32)
+        swiglu_ref(gate_up, out)
+        return out
 
     def add_(self, x, y):
         x += y
