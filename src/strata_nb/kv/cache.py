@@ -15,13 +15,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import StrataError
+from ..kernels.copy_runs import as_words
 from .formats import BLOCK, kv_block_bytes, pool_arrays, rotates
 from .select import all_blocks_upto, select_blocks
 from .slots import SlotTable, StreamCounters
 from .writer import KVDest, append_cells
 
 MIN_POOL_BLOCKS = 4  # slot-pool blocks beyond the ring at the minimum resident size
-MAX_STEP_QUERIES = 8  # a decode step (1) or a verify window (<= 8)
 
 
 # --8<-- [start:stream_plan]
@@ -168,8 +168,6 @@ class KVCache:
     def _move(self, src: dict, dst: dict, pairs):
         if not pairs:
             return
-        from ..kernels.copy_runs import as_words
-
         src_index = self.be.asarray(np.array([s for s, _ in pairs], np.int32))
         dst_index = self.be.asarray(np.array([d for _, d in pairs], np.int32))
         for field in dst:
@@ -198,8 +196,6 @@ class KVCache:
         and refill the ring, so nothing in VRAM can be stale."""
         if snap["fmt"] != self.fmt or len(snap["layers"]) != len(self.layers):
             raise StrataError("snapshot does not match this cache's format or layer count")
-        from ..kernels.copy_runs import as_words
-
         end_block = -(-snap["end"] // BLOCK)
         if end_block > self.n_blocks:
             raise StrataError(f"snapshot of {snap['end']} cells does not fit {self.n_blocks * BLOCK}")
