@@ -61,3 +61,22 @@ def test_info_json_kv_sizes(kv, cell, per_token, default_model_path, capsys):
     assert facts["bytes_per_token"] == per_token and facts["bytes_at_max_context"] == per_token * 8192
     assert sum(r["bytes"] for r in facts["runs"]) == cell * 16
     assert len(facts["runs"]) == {"fp16": 2, "int8": 4, "q4_0": 2, "k8v4": 3}[kv]
+
+
+def test_compare_kv_json(tiny_model, tmp_path, capsys):
+    text = tmp_path / "text.txt"
+    text.write_text("the keeper climbed the stairs and lit the lamp. " * 4)
+    code, out, _ = run_cli(["compare-kv", "--model", tiny_model, "--text", str(text), "--ctx", "150",
+                            "--kv", "fp32,k8v4", "--qsa-budget", "0,32", "--device", "cpu", "--json"], capsys)
+    result = json.loads(out)
+    rows = {(r["kv"], r["qsa_budget"]): r for r in result["rows"]}
+    assert code == 0 and result["tokens"] == 150 and len(rows) == 4
+    same = rows[("fp32", 0)]  # the reference against itself, through the same path: exactly equal
+    assert same["mean_kl"] == 0.0 and same["top1_agreement"] == 1.0 and same["ppl_change"] == 0.0
+    assert rows[("k8v4", 0)]["mean_kl"] > 0 and rows[("k8v4", 32)]["mean_kl"] > 0
+    assert all(0 <= r["top1_agreement"] <= 1 for r in rows.values())
+
+
+def test_compare_kv_bad_budget(tiny_model, capsys):
+    code, _, err = run_cli(["compare-kv", "--model", tiny_model, "--qsa-budget", "lots"], capsys)
+    assert code == 2 and "--qsa-budget takes comma-separated cell counts" in err

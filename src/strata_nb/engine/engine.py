@@ -101,21 +101,26 @@ class Engine:
 
     # ---- the verbs ----------------------------------------------------------------------
     # --8<-- [start:verbs]
-    def prefill(self, ids: list[int], start: int = 0, all_logits: bool = False):
+    def prefill(self, ids: list[int], all_logits: bool = False):
         """Run the prompt through the model in chunks; logits of the last (or every) position."""
-        chunk = self.settings.prefill_chunk
-        outs = []
-        for s in range(0, len(ids), chunk):
-            part = np.asarray(ids[s:s + chunk], np.int32)
-            pos = np.arange(start + s, start + s + len(part), dtype=np.int32)
-            outs.append(self.be.to_numpy(forward(self.be, self.weights, self.kv, part, pos, prompt=True,
-                                                 all_logits=all_logits)))
+        outs = [logits for _, logits in
+                self._in_chunks(ids, 0, len(ids), self.settings.prefill_chunk, True, all_logits)]
         return np.concatenate(outs) if all_logits else outs[-1][-1]
 
     def decode_one_token(self, token: int, pos: int) -> np.ndarray:
         """One step: the token at `pos` goes through every layer -> logits (vocab,)."""
-        ids, p = np.array([token], np.int32), np.array([pos], np.int32)
-        return self.be.to_numpy(forward(self.be, self.weights, self.kv, ids, p, prompt=False))[-1]
+        return self._forward([token], pos, prompt=False, all_logits=False)[-1]
+
+    def _forward(self, ids, start: int, prompt: bool, all_logits: bool) -> np.ndarray:
+        """ids at positions start, start + 1, ... through every layer -> logits (n or 1, vocab)."""
+        part = np.asarray(ids, np.int32)
+        pos = np.arange(start, start + len(part), dtype=np.int32)
+        return self.be.to_numpy(forward(self.be, self.weights, self.kv, part, pos, prompt, all_logits))
+
+    def _in_chunks(self, ids, begin: int, end: int, size: int, prompt: bool, all_logits: bool):
+        """ids[begin:end] in runs of `size`: yields (start, logits)."""
+        for s in range(begin, end, size):
+            yield s, self._forward(ids[s:min(s + size, end)], s, prompt, all_logits)
     # --8<-- [end:verbs]
 
     def score(self, ids) -> np.ndarray:
@@ -134,17 +139,8 @@ class Engine:
         if len(ids) > self.settings.max_context:
             raise StrataError(f"{len(ids)} tokens do not fit --max-context {self.settings.max_context}")
         split = len(ids) if windows_from is None else min(max(windows_from, 1), len(ids))
-        chunk = self.settings.prefill_chunk
-        for s in range(0, split, chunk):
-            part = np.asarray(ids[s:min(s + chunk, split)], np.int32)
-            pos = np.arange(s, s + len(part), dtype=np.int32)
-            yield s, self.be.to_numpy(forward(self.be, self.weights, self.kv, part, pos, prompt=True,
-                                              all_logits=True))
-        for s in range(split, len(ids), window):
-            part = np.asarray(ids[s:s + window], np.int32)
-            pos = np.arange(s, s + len(part), dtype=np.int32)
-            yield s, self.be.to_numpy(forward(self.be, self.weights, self.kv, part, pos, prompt=False,
-                                              all_logits=True))
+        yield from self._in_chunks(ids, 0, split, self.settings.prefill_chunk, True, True)
+        yield from self._in_chunks(ids, split, len(ids), window, False, True)
 
     def generate(self, prompt: str, max_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int | None = None, chat: bool = True) -> Iterator[str]:
