@@ -19,6 +19,7 @@ from numba import cuda
 
 from ..errors import StrataError
 from ..kernels import embed, matmul, matvec, residual, rmsnorm, rope, swiglu
+from ..kernels.launch import device_empty
 from ..model.dequant import dequantize
 
 
@@ -38,6 +39,10 @@ class CudaBackend:
     def zeros(self, shape, dtype):
         return cuda.to_device(np.zeros(shape, dtype))
 
+    def empty(self, shape, dtype):
+        """For outputs a kernel writes whole: no host copy, so it may be captured in a graph."""
+        return device_empty(shape, dtype)
+
     def asarray(self, a, dtype=None):
         if isinstance(a, np.ndarray) or not hasattr(a, "copy_to_host"):
             return cuda.to_device(np.ascontiguousarray(a, dtype=dtype))
@@ -48,6 +53,9 @@ class CudaBackend:
             cuda.synchronize()
             return np.array(a)
         return a.copy_to_host()
+
+    def synchronize(self):
+        cuda.synchronize()
 
     def host_array(self, shape, dtype):
         """Pinned, device-mapped host memory: the authoritative host copy."""
@@ -90,7 +98,7 @@ class CudaBackend:
     def embed(self, table, ids):
         # table: a DeviceMatrix (vocab, d) or a (rows, d) float32 array; ids (n,) int32 -> (n, d)
         ids = self.asarray(ids, np.int32)
-        out = cuda.device_array((ids.shape[0], table.shape[1]), np.float32)
+        out = device_empty((ids.shape[0], table.shape[1]), np.float32)
         if isinstance(table, DeviceMatrix):
             embed.embed(table.raw, ids, out, table.qtype)
         else:
@@ -100,25 +108,25 @@ class CudaBackend:
     def matmul(self, x, w: DeviceMatrix):
         # x (n, in) float32, w (out, in) -> (n, out): matvec for a step or verify window,
         # the tiled matmul for a prompt chunk
-        y = cuda.device_array((x.shape[0], w.shape[0]), np.float32)
+        y = device_empty((x.shape[0], w.shape[0]), np.float32)
         (matvec.matvec if x.shape[0] <= matvec.MAX_ROWS else matmul.matmul)(x, w.raw, w.qtype, y)
         return y
 
     def rmsnorm(self, x, w, eps: float):
-        out = cuda.device_array(x.shape, np.float32)
+        out = device_empty(x.shape, np.float32)
         rmsnorm.rmsnorm(x, w, eps, out)
         return out
 
     def rope_qkv(self, qkv, cos, sin, n_heads: int, n_kv: int, hd: int):
         n = qkv.shape[0]
-        q = cuda.device_array((n, n_heads, hd), np.float32)
-        k = cuda.device_array((n, n_kv, hd), np.float32)
-        v = cuda.device_array((n, n_kv, hd), np.float32)
+        q = device_empty((n, n_heads, hd), np.float32)
+        k = device_empty((n, n_kv, hd), np.float32)
+        v = device_empty((n, n_kv, hd), np.float32)
         rope.rope_qkv(qkv, cos, sin, q, k, v)
         return q, k, v
 
     def swiglu(self, gate_up):
-        out = cuda.device_array((gate_up.shape[0], gate_up.shape[1] // 2), np.float32)
+        out = device_empty((gate_up.shape[0], gate_up.shape[1] // 2), np.float32)
         swiglu.swiglu(gate_up, out)
         return out
 

@@ -27,6 +27,9 @@ class NumpyBackend:
     def zeros(self, shape, dtype):
         return np.zeros(shape, dtype)
 
+    def empty(self, shape, dtype):
+        return np.empty(shape, dtype)
+
     def asarray(self, a, dtype=None):
         return np.ascontiguousarray(a, dtype=dtype)
 

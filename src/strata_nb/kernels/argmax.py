@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 from numba import config, cuda, float32
 
-from strata_nb.kernels.launch import DeviceArgs, expect
+from strata_nb.kernels.launch import DeviceArgs, expect, stream
 from strata_nb.kernels.reduce import NEG_INF, block_max
 
 # Threads per row: 1024 on a GPU (49152 logits = 48 per thread); 64 under the simulator,
@@ -58,4 +58,4 @@ def argmax(logits, out):
     if n == 0:
         return
     with DeviceArgs() as dev:
-        argmax_kernel[n, THREADS](dev.read(logits), dev.write(out))
+        argmax_kernel[n, THREADS, stream()](dev.read(logits), dev.write(out))

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda, float32
 
-from strata_nb.kernels.launch import DeviceArgs, grid_for, is_host_numpy
+from strata_nb.kernels.launch import DeviceArgs, device_empty, grid_for, is_host_numpy
 
 N = 64  # values per transform: one head row of the default model
 SCALE = np.float32(1 / 8)  # 1 / sqrt(64): makes H orthonormal; a power of two, so exact
@@ -82,7 +82,7 @@ def hadamard(x):
     assert x.dtype == np.float32, f"x is {x.dtype}, want float32"
     assert width % N == 0, f"last axis {width} is not a multiple of {N}"
     n_rows = x.size // N
-    out = np.empty(x.shape, np.float32) if is_host_numpy(x) else cuda.device_array(x.shape, np.float32)
+    out = np.empty(x.shape, np.float32) if is_host_numpy(x) else device_empty(x.shape, np.float32)
     if n_rows == 0:
         return out
     with DeviceArgs() as dev:

@@ -10,12 +10,50 @@ so every alias and view in the kernel is the same memory, as it is on a real GPU
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import numpy as np
 from numba import cuda
 
 from strata_nb.kv.formats import BLOCK, PoolArray
 
 THREADS = 128  # threads per block for the lane-per-thread kernels: a multiple of the warp
+
+
+# --8<-- [start:launch_stream]
+class Capture:
+    """Where launches go: the default stream, or a stream being captured into a CUDA graph.
+
+    While a capture is open, every launcher launches on its stream, every device array a
+    launcher allocates (`device_empty`) is kept alive in `keep` (the graph has its address
+    baked in), and a NumPy argument is an error: copying it would be a host transfer in the
+    middle of the graph, with a value frozen at capture time."""
+
+    stream = 0  # Numba's default stream
+    keep: list | None = None  # allocations the open capture's graph uses
+
+
+def stream():
+    """The stream launchers launch on: `kernel[blocks, threads, stream()]`."""
+    return Capture.stream
+
+
+@contextmanager
+def capturing(on_stream, keep: list):
+    Capture.stream, Capture.keep = on_stream, keep
+    try:
+        yield
+    finally:
+        Capture.stream, Capture.keep = 0, None
+
+
+def device_empty(shape, dtype):
+    """An uninitialised device array: every launcher's outputs come from here."""
+    a = cuda.device_array(shape, dtype)
+    if Capture.keep is not None:
+        Capture.keep.append(a)
+    return a
+# --8<-- [end:launch_stream]
 
 
 def is_host_numpy(a) -> bool:
@@ -41,6 +79,9 @@ class DeviceArgs:
             return a
         entry = self._moved.get(id(a))
         if entry is None:
+            assert Capture.keep is None, (
+                f"a NumPy {a.dtype} array {a.shape} reached a launcher during graph capture; "
+                "a captured step reads only device memory")
             entry = self._moved[id(a)] = [a, cuda.to_device(a), False]
         entry[2] |= written
         return entry[1]
@@ -65,9 +106,9 @@ def view_bytes(a, dtype):
     return a.view(dtype)
 
 
-def grid_for(lanes: int) -> tuple[int, int]:
-    """(blocks, threads) covering `lanes` threads, one lane each."""
-    return (lanes + THREADS - 1) // THREADS, THREADS
+def grid_for(lanes: int) -> tuple:
+    """(blocks, threads, stream) covering `lanes` threads, one lane each."""
+    return (lanes + THREADS - 1) // THREADS, THREADS, stream()
 
 
 def expect(name: str, a, dtype, shape: tuple) -> None:
@@ -98,10 +139,21 @@ def expect_pool(name: str, a, spec: PoolArray, n_kv: int) -> None:
 def host_or_absent(name: str, a, spec: PoolArray, n_kv: int):
     """A host-copy array, indexed by logical block, or a size-0 array meaning "absent".
 
-    Any size-0 array becomes one empty array of the pool's dtype and rank, so the kernel
-    has one signature either way and can test `shape[0] > 0`.
+    Any size-0 array becomes one empty device array of the pool's dtype and rank, so the
+    kernel has one signature either way and can test `shape[0] > 0`.
     """
     if a.size == 0:
-        return np.empty((0, n_kv, BLOCK, spec.per_head), spec.dtype)
+        return absent((0, n_kv, BLOCK, spec.per_head), spec.dtype)
     expect_pool(name, a, spec, n_kv)
     return a
+
+
+_ABSENT: dict = {}
+
+
+def absent(shape, dtype):
+    """A size-0 device array, made once per shape and dtype (no copy at launch)."""
+    key = (shape, np.dtype(dtype))
+    if key not in _ABSENT:
+        _ABSENT[key] = cuda.device_array(shape, dtype)
+    return _ABSENT[key]

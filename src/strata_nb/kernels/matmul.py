@@ -37,7 +37,7 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda, float32
 
-from strata_nb.kernels.launch import DeviceArgs, expect
+from strata_nb.kernels.launch import DeviceArgs, expect, stream
 from strata_nb.kernels.matvec import PART, PARTS, QK, QTYPES, matvec_ref, part_runs, row_bytes, weight_views
 
 TILE = 32  # rows of W and rows of x per thread block
@@ -128,4 +128,4 @@ def matmul(x, raw, qtype, y):
     grid = (-(-n_out // TILE), -(-n // TILE))
     with DeviceArgs() as dev:
         a, b = weight_views(dev.read(raw), qtype)
-        MATMUL_KERNELS[qtype][grid, (TILE, THREADS_Y)](dev.read(x), a, b, dev.write(y))
+        MATMUL_KERNELS[qtype][grid, (TILE, THREADS_Y), stream()](dev.read(x), a, b, dev.write(y))

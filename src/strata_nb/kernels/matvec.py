@@ -56,7 +56,7 @@ from __future__ import annotations
 import numpy as np
 from numba import config, cuda, float32
 
-from strata_nb.kernels.launch import DeviceArgs, expect
+from strata_nb.kernels.launch import DeviceArgs, expect, stream
 from strata_nb.kernels.reduce import WARP, warp_sum
 from strata_nb.model.dequant import dequantize
 
@@ -260,4 +260,4 @@ def matvec(x, raw, qtype, y):
     blocks = min(-(-n_out // (WARPS * ROWS_PER_WARP)), MAX_BLOCKS)
     with DeviceArgs() as dev:
         a, b = weight_views(dev.read(raw), qtype)
-        MATVEC_KERNELS[qtype][blocks, WARPS * WARP](dev.read(x), a, b, dev.write(y))
+        MATVEC_KERNELS[qtype][blocks, WARPS * WARP, stream()](dev.read(x), a, b, dev.write(y))

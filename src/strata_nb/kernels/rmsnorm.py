@@ -24,7 +24,7 @@ import math
 import numpy as np
 from numba import config, cuda, float32
 
-from strata_nb.kernels.launch import DeviceArgs, expect
+from strata_nb.kernels.launch import DeviceArgs, expect, stream
 from strata_nb.kernels.reduce import block_sum
 
 # Threads per row: 4 warps on a GPU; one warp under the simulator, where each thread is a
@@ -74,4 +74,4 @@ def rmsnorm(x, w, eps, out):
     if n == 0:
         return
     with DeviceArgs() as dev:
-        rmsnorm_kernel[n, THREADS](dev.read(x), dev.read(w), np.float32(eps), dev.write(out))
+        rmsnorm_kernel[n, THREADS, stream()](dev.read(x), dev.read(w), np.float32(eps), dev.write(out))
