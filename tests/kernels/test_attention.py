@@ -82,6 +82,17 @@ def test_kernel_matches_ref(fmt, n_queries):
     np.testing.assert_allclose(got, want, atol=ATOL, rtol=RTOL)
 
 
+@pytest.mark.parametrize("n_queries", [1, 3])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_kernel_matches_ref_one_block_per_split(fmt, n_queries):
+    """Every selected column its own split, padding columns too (a split that sees no
+    cell): the combine kernel merges up to 4 partial softmaxes per query and head."""
+    pool, host = filled_cache(fmt, PAGE_TABLE, n_slots=4)
+    args = (fmt, *queries(n_queries), PAGE_TABLE, pool, host)
+    got = run(lambda *a: attention(*a, per_split=1), *args)
+    np.testing.assert_allclose(got, run(attention_ref, *args), atol=ATOL, rtol=RTOL)
+
+
 def test_kernel_without_a_host_copy():
     """Every block resident and host=None, as the prompt's staging pool is read."""
     identity = np.arange(N_BLOCKS, dtype=np.int32)

@@ -22,8 +22,8 @@ zero, as they do in the kernel, which never reads them.
 Kernel vs reference tolerance: |kernel - ref| <= ATOL + RTOL * |ref|, for V values of
 order 1. Both compute in float32 on identical dequantized values (dequantization is exact
 in both); they differ only in the order of float32 sums (a 64-term dot product per score,
-the kernel's block-by-block online softmax against one max and one sum, a sum over up to
-S * 16 cells per output) and in exp (CUDA's expf is within 2 ulp). Each of those is a
+the kernel's block-by-block online softmax within a split of 4 blocks and the merge of
+the splits, against one max and one sum, a sum over up to S * 16 cells per output) and in exp (CUDA's expf is within 2 ulp). Each of those is a
 few ulp (float32 eps = 1.2e-7) of the values summed, so errors are around 1e-6 (the
 tests see at most 1.1e-6); the tolerance leaves over 10x headroom.
 
@@ -34,11 +34,11 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import cuda, float32
+from numba import config, cuda, float32
 
-from strata_nb.kernels.launch import DeviceArgs, expect, expect_pool, host_or_absent, view_bytes
-from strata_nb.kernels.quant_int8 import dequantize_int8_ref, dequantize_int8_row
-from strata_nb.kernels.quant_q4_0 import dequantize_q4_0_ref, dequantize_q4_0_row
+from strata_nb.kernels.launch import DeviceArgs, device_empty, expect, expect_pool, host_or_absent, stream, view_bytes
+from strata_nb.kernels.quant_int8 import dequantize_int8_at, dequantize_int8_ref
+from strata_nb.kernels.quant_q4_0 import dequantize_q4_0_at, dequantize_q4_0_ref
 from strata_nb.kv.formats import BLOCK, FORMATS, check_format, pool_arrays
 
 ATOL = 2e-5
@@ -49,7 +49,12 @@ RTOL = 1e-4
 SIDES = {"fp32": ("float", "float"), "fp16": ("float", "float"), "int8": ("int8", "int8"),
          "q4_0": ("q4_0", "q4_0"), "k8v4": ("int8", "q4_0")}
 NEG_INF = np.float32(-np.inf)
-MAX_HEAD_DIM = 256  # shared tiles are sized at compile time: 2 x 16 x 256 floats = 32 KiB
+MAX_HEAD_DIM = 128  # shared tiles are sized at compile time: 2 x 16 x 128 floats = 16 KiB
+K_STRIDE = MAX_HEAD_DIM + 1  # the K tile's row stride: row c starts c banks further on
+BLOCKS_PER_SPLIT = 4  # selected blocks (64 cells) per thread block: 8K context = 128 splits
+MAX_COMBINE_GROUPS = 4  # thread rows of the combine kernel, each summing every 4th split
+# Under the simulator every thread is a Python thread: one row there (tests pass 4 to cover it)
+COMBINE_GROUPS = 1 if config.ENABLE_CUDASIM else MAX_COMBINE_GROUPS
 
 
 def score_scale(head_dim: int) -> np.float32:
@@ -132,22 +137,21 @@ def attend_ref(fmt, q, q_pos, blocks, page_table, pool, host):
 
 
 # --8<-- [start:attention_readers]
-# How the kernel unpacks one cell's row, for each way a side is stored. All take
-# (row_a, row_b, out), so one kernel body serves every format: (values, unused),
+# How the kernel reads value j of one cell's row, for each way a side is stored. All take
+# (row_a, row_b, j), so one kernel body serves every format: (values, unused),
 # (int8 codes, fp16 scales) or (q4_0 bytes, the same bytes as float16).
 @cuda.jit(device=True)
-def read_float_row(values, unused, out):
-    for j in range(values.shape[0]):
-        out[j] = float32(values[j])
+def read_float_at(values, unused, j):
+    return float32(values[j])
 
 
-READERS = {"float": read_float_row, "int8": dequantize_int8_row, "q4_0": dequantize_q4_0_row}
+READERS = {"float": read_float_at, "int8": dequantize_int8_at, "q4_0": dequantize_q4_0_at}
 # --8<-- [end:attention_readers]
 
 
 # --8<-- [start:attention_kernel]
 def make_attention_kernel(read_k, read_v):
-    """A kernel for one format, given how it unpacks K and V rows. Numba compiles each."""
+    """A kernel for one format, given how it reads K and V values. Numba compiles each."""
 
     @cuda.jit
     def attention_kernel(q,           # (Q, H, D) float32
@@ -155,45 +159,62 @@ def make_attention_kernel(read_k, read_v):
                          blocks,      # (Q, S) int32, -1 = padding
                          page_table,  # (n_logical_blocks,) int32
                          scale,       # float32: 1 / sqrt(D)
+                         per_split,   # int32: selected blocks per split
                          pool_ka, pool_kb, pool_va, pool_vb,  # K and V of the pool, by slot
                          host_ka, host_kb, host_va, host_vb,  # the same by logical block, or (0, ...)
-                         out):        # (Q, H, D) float32, written
-        # One thread block per (query, head); thread t owns output dimension t. For each
-        # selected KV block: unpack its K and V rows into shared memory, score its 16
-        # cells, then fold them into an online softmax: a running max m, sum l and
-        # weighted sum acc, rescaled whenever a block raises the max, so every cell is
-        # read once and the scores of earlier blocks need not be kept.
-        qi, h, t = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x
+                         part_m, part_l,  # (Q, H, n_splits) float32, written: each split's max and sum
+                         part_acc):   # (Q, H, n_splits, D) float32, written: its weighted V sum
+        # One thread block per (query, head, split): a split is `per_split` consecutive
+        # columns of the query's selection, so a long context spreads over many blocks of
+        # the GPU. Thread t owns dimension t. For each selected KV block: every thread
+        # unpacks dimension t of the block's 16 K and V rows into shared memory (neighbouring
+        # threads, neighbouring bytes), threads 0..15 score one cell each, then every thread
+        # folds the 16 cells into an online softmax: a running max m, sum l and weighted
+        # sum acc, rescaled whenever a block raises the max. The splits are merged by
+        # attention_combine_kernel.
+        qi, h, split = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
+        t = cuda.threadIdx.x
         head_dim = q.shape[2]
         kv_h = h // (q.shape[1] // pool_ka.shape[1])  # consecutive query heads share a KV head
-        k_tile = cuda.shared.array((BLOCK, MAX_HEAD_DIM), float32)  # this block's K, unpacked
-        v_tile = cuda.shared.array((BLOCK, MAX_HEAD_DIM), float32)  # and its V
+        # K_STRIDE: the 16 scoring threads read 16 rows at once, each from its own bank
+        k_tile = cuda.shared.array((BLOCK, K_STRIDE), float32)
+        v_tile = cuda.shared.array((BLOCK, MAX_HEAD_DIM), float32)
+        q_row = cuda.shared.array(MAX_HEAD_DIM, float32)
         scores = cuda.shared.array(BLOCK, float32)
+        k_vals = cuda.local.array(BLOCK, float32)  # this thread's dimension of the block's 16 K rows
+        v_vals = cuda.local.array(BLOCK, float32)  # and of its 16 V rows
+        q_row[t] = q[qi, h, t]
+        last = q_pos[qi]
         m, l, acc = NEG_INF, float32(0.0), float32(0.0)
-        for s in range(blocks.shape[1]):
+        first = split * per_split
+        for s in range(first, min(first + per_split, blocks.shape[1])):
             b = blocks[qi, s]
-            if b < 0:  # padding: the same for every thread, so none skips a barrier alone
+            # padding, or a block wholly after the query (a decode step replayed from a graph
+            # lists every block of the context): the same for every thread, so none skips a
+            # barrier alone
+            if b < 0 or b * BLOCK > last:
                 continue
             slot = page_table[b]
             r = slot if slot >= 0 else b
             ka, kb = (pool_ka, pool_kb) if slot >= 0 else (host_ka, host_kb)
             va, vb = (pool_va, pool_vb) if slot >= 0 else (host_va, host_vb)
-
-            # Threads 0..15 unpack K of cell t, threads 16..31 V of cell t - 16. Cells
-            # after the query are skipped: they may not be written yet.
-            c = t % BLOCK
-            visible = b * BLOCK + c <= q_pos[qi]
-            if t < BLOCK and visible:
-                read_k(ka[r, kv_h, c], kb[r, kv_h, c], k_tile[c])
-            elif t < 2 * BLOCK and visible:
-                read_v(va[r, kv_h, c], vb[r, kv_h, c], v_tile[c])
+            # All 16 cells, even those after the query (unwritten bytes, maybe NaN): their
+            # scores are masked below and their V is never weighted. Loads into registers
+            # first, with no store between them, so the 32 loads are in flight together
+            # (a store to shared memory could alias a load, so it would wait for each).
+            for c in range(BLOCK):
+                k_vals[c] = read_k(ka[r, kv_h, c], kb[r, kv_h, c], t)
+                v_vals[c] = read_v(va[r, kv_h, c], vb[r, kv_h, c], t)
+            for c in range(BLOCK):
+                k_tile[c, t] = k_vals[c]
+                v_tile[c, t] = v_vals[c]
             cuda.syncthreads()  # the tiles are complete before anyone reads them
 
             if t < BLOCK:  # threads 0..15 score one cell each
-                if visible:
+                if b * BLOCK + t <= last:
                     dot = float32(0.0)
                     for j in range(head_dim):
-                        dot += q[qi, h, j] * k_tile[t, j]
+                        dot += q_row[j] * k_tile[t, j]
                     scores[t] = dot * scale
                 else:
                     scores[t] = NEG_INF
@@ -214,12 +235,55 @@ def make_attention_kernel(read_k, read_v):
                         acc += p * v_tile[c, t]
                 m = m_new
             cuda.syncthreads()  # done with the tiles and scores before the next block
-        out[qi, h, t] = acc / l if l > 0 else float32(0.0)
+        if t == 0:
+            part_m[qi, h, split] = m
+            part_l[qi, h, split] = l
+        part_acc[qi, h, split, t] = acc
 
     return attention_kernel
 
 
 ATTENTION_KERNELS = {fmt: make_attention_kernel(READERS[k], READERS[v]) for fmt, (k, v) in SIDES.items()}
+
+
+@cuda.jit
+def attention_combine_kernel(part_m, part_l, part_acc,  # as attention_kernel wrote them
+                             out):  # (Q, H, D) float32, written
+    # One thread block per (query, head): thread (t, g) owns dimension t and every
+    # groups-th split from g (groups = blockDim.y). Rescale each split's sums to the largest max, add
+    # them up, divide. A split that saw no cell has m = -inf and l = acc = 0, so its
+    # weight exp(-inf) = 0 adds exact zeros: no branch in the loops. The groups' partial
+    # sums are added in group order, so the result does not depend on timing.
+    qi, h = cuda.blockIdx.x, cuda.blockIdx.y
+    t, g = cuda.threadIdx.x, cuda.threadIdx.y
+    n_splits, groups = part_m.shape[2], cuda.blockDim.y
+    group_top = cuda.shared.array(MAX_COMBINE_GROUPS, float32)
+    group_l = cuda.shared.array(MAX_COMBINE_GROUPS, float32)
+    group_acc = cuda.shared.array((MAX_COMBINE_GROUPS, MAX_HEAD_DIM), float32)
+    top = NEG_INF
+    for s in range(g, n_splits, groups):
+        top = max(top, part_m[qi, h, s])
+    if t == 0:
+        group_top[g] = top
+    cuda.syncthreads()
+    for j in range(groups):
+        top = max(top, group_top[j])
+    l, acc = float32(0.0), float32(0.0)
+    if top > NEG_INF:
+        for s in range(g, n_splits, groups):
+            w = math.exp(part_m[qi, h, s] - top)
+            l += part_l[qi, h, s] * w
+            acc += part_acc[qi, h, s, t] * w
+    group_acc[g, t] = acc
+    if t == 0:
+        group_l[g] = l
+    cuda.syncthreads()
+    if g == 0:
+        l, acc = float32(0.0), float32(0.0)
+        for j in range(groups):
+            l += group_l[j]
+            acc += group_acc[j, t]
+        out[qi, h, t] = acc / l if l > 0 else float32(0.0)
 # --8<-- [end:attention_kernel]
 
 
@@ -234,8 +298,11 @@ def side_arrays(kind, side, arrays, dev):
     return a, view_bytes(a, np.float16)  # d of block g at [9 * g]
 
 
-def attention(fmt, q, q_pos, blocks, page_table, pool, host, out):
-    """Like attention_ref, on the device; NumPy arguments are moved (out written back)."""
+def attention(fmt, q, q_pos, blocks, page_table, pool, host, out, per_split: int = BLOCKS_PER_SPLIT,
+              combine_groups: int = COMBINE_GROUPS):
+    """Like attention_ref, on the device; NumPy arguments are moved (out written back).
+    per_split: selected blocks per thread block, combine_groups: thread rows merging the
+    splits (tests set them to get many splits and several rows under the simulator)."""
     check_format(fmt, FORMATS)
     expect("q", q, np.float32, (None, None, None))
     n_q, n_heads, head_dim = q.shape
@@ -247,17 +314,24 @@ def attention(fmt, q, q_pos, blocks, page_table, pool, host, out):
     n_kv = pool[specs[0].field].shape[1]
     assert n_heads % n_kv == 0, f"{n_heads} query heads do not share {n_kv} KV heads evenly"
     assert head_dim <= MAX_HEAD_DIM, f"head_dim {head_dim} > {MAX_HEAD_DIM}, the shared tiles' width"
+    assert 1 <= combine_groups <= MAX_COMBINE_GROUPS, f"combine_groups {combine_groups} not in 1..{MAX_COMBINE_GROUPS}"
     for spec in specs:
         expect_pool(spec.field, pool[spec.field], spec, n_kv)
     host = {s.field: host_or_absent(f"host {s.field}", (host or {}).get(s.field, np.empty(0)), s, n_kv)
             for s in specs}
     if n_q == 0:
         return
+    n_splits = max(1, -(-blocks.shape[1] // per_split))
+    part_m = device_empty((n_q, n_heads, n_splits), np.float32)
+    part_l = device_empty((n_q, n_heads, n_splits), np.float32)
+    part_acc = device_empty((n_q, n_heads, n_splits, head_dim), np.float32)
     kind_k, kind_v = SIDES[fmt]
     with DeviceArgs() as dev:
-        ATTENTION_KERNELS[fmt][(n_q, n_heads), head_dim](
+        ATTENTION_KERNELS[fmt][(n_q, n_heads, n_splits), head_dim, stream()](
             dev.read(q), dev.read(q_pos), dev.read(blocks), dev.read(page_table),
-            score_scale(head_dim),
+            score_scale(head_dim), np.int32(per_split),
             *side_arrays(kind_k, "k", pool, dev), *side_arrays(kind_v, "v", pool, dev),
             *side_arrays(kind_k, "k", host, dev), *side_arrays(kind_v, "v", host, dev),
-            dev.write(out))
+            part_m, part_l, part_acc)
+        attention_combine_kernel[(n_q, n_heads), (head_dim, combine_groups), stream()](
+            part_m, part_l, part_acc, dev.write(out))

@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda, float32
 
-from strata_nb.kernels.launch import DeviceArgs, grid_for, is_host_numpy
+from strata_nb.kernels.launch import DeviceArgs, device_empty, grid_for, is_host_numpy
 from strata_nb.kv.formats import INT8_GROUP
 
 F16_MAX = np.float32(65504.0)  # the largest finite fp16
@@ -81,16 +81,18 @@ def quantize_int8_group(x,       # (head_dim,) float32: one head row
                         scales,  # (head_dim // 64,) float16, written at g
                         g):      # which 64-value group of the row
     base = g * INT8_GROUP
+    vals = cuda.local.array(INT8_GROUP, float32)  # the group, read once: 64 loads in flight together
     amax = float32(0.0)
     for j in range(INT8_GROUP):
-        amax = max(amax, abs(sanitize(x[base + j])))
+        vals[j] = sanitize(x[base + j])
+        amax = max(amax, abs(vals[j]))
     scales[g] = amax / LEVELS  # float32 -> fp16, round to nearest even, as astype(float16)
     stored = float32(scales[g])  # read back: codes are computed against the stored scale
     for j in range(INT8_GROUP):
         if stored == 0:
             codes[base + j] = 0
         else:
-            code = round(sanitize(x[base + j]) / stored)  # half to even (llrintf)
+            code = round(vals[j] / stored)  # half to even (llrintf)
             codes[base + j] = min(127, max(-127, code))
 
 
@@ -101,6 +103,12 @@ def dequantize_int8_row(codes,   # (head_dim,) int8: one head row
     for j in range(codes.shape[0]):
         # A 7-bit code times an 11-bit fp16 significand fits float32's 24 bits: exact.
         out[j] = float32(codes[j]) * float32(scales[j // INT8_GROUP])
+
+
+@cuda.jit(device=True)
+def dequantize_int8_at(codes, scales, j):
+    """Value j of one head row (dequantize_int8_row's, one value at a time)."""
+    return float32(codes[j]) * float32(scales[j // INT8_GROUP])
 # --8<-- [end:quantize_int8_device]
 
 
@@ -123,7 +131,7 @@ def quantize_int8(x):
     assert x.dtype == np.float32, f"x is {x.dtype}, want float32"
     assert width % INT8_GROUP == 0, f"last axis {width} is not a multiple of {INT8_GROUP}"
     groups, n_rows = width // INT8_GROUP, int(np.prod(lead))
-    alloc = np.empty if is_host_numpy(x) else cuda.device_array
+    alloc = np.empty if is_host_numpy(x) else device_empty
     codes, scales = alloc(x.shape, np.int8), alloc((*lead, groups), np.float16)
     if n_rows * groups == 0:
         return codes, scales

@@ -27,7 +27,7 @@ from __future__ import annotations
 import numpy as np
 from numba import config, cuda, float32
 
-from strata_nb.kernels.launch import DeviceArgs, grid_for, is_host_numpy
+from strata_nb.kernels.launch import DeviceArgs, device_empty, grid_for, is_host_numpy
 from strata_nb.kernels.quant_int8 import sanitize, sanitize_ref
 from strata_nb.kv.formats import Q4_BYTES, Q4_GROUP
 
@@ -92,17 +92,19 @@ def quantize_q4_0_group(x,     # (head_dim,) float32: one head row
                         q4_d,  # (head_dim // 32 * 9,) float16: the same bytes as q4
                         g):    # which 32-value block of the row
     base = g * Q4_GROUP
-    big = sanitize(x[base])
+    vals = cuda.local.array(Q4_GROUP, float32)  # the block, read once: 32 loads in flight together
+    for j in range(Q4_GROUP):
+        vals[j] = sanitize(x[base + j])
+    big = vals[0]
     for j in range(1, Q4_GROUP):
-        v = sanitize(x[base + j])
-        if abs(v) > abs(big):  # strictly greater: the first of equals stays, as argmax
-            big = v
+        if abs(vals[j]) > abs(big):  # strictly greater: the first of equals stays, as argmax
+            big = vals[j]
     d = big / float32(-8.0)
     inv_d = float32(1.0) / d if d != 0 else float32(0.0)
     q4_d[g * D_STRIDE] = d  # float32 -> fp16, round to nearest even, as astype(float16)
     for j in range(HALF):
-        low = q4_code(sanitize(x[base + j]), inv_d)
-        high = q4_code(sanitize(x[base + j + HALF]), inv_d)
+        low = q4_code(vals[j], inv_d)
+        high = q4_code(vals[j + HALF], inv_d)
         q4[g * Q4_BYTES + 2 + j] = low | (high << 4)
 
 
@@ -117,6 +119,16 @@ def dequantize_q4_0_row(q4,    # (head_dim // 32 * 18,) uint8: one head row
             # Subtract in float32 (exact for 0..15): a uint8 minus 8 would wrap around.
             out[g * Q4_GROUP + j] = (float32(byte & 0x0F) - float32(8.0)) * d
             out[g * Q4_GROUP + j + HALF] = (float32(byte >> 4) - float32(8.0)) * d
+
+
+@cuda.jit(device=True)
+def dequantize_q4_0_at(q4, q4_d, j):
+    """Value j of one head row (dequantize_q4_0_row's, one value at a time): the low
+    nibble of byte j % 16 of its group for the first half, the high nibble for the second."""
+    g, w = j // Q4_GROUP, j % Q4_GROUP
+    byte = q4[g * Q4_BYTES + 2 + w % HALF]
+    nibble = byte & 0x0F if w < HALF else byte >> 4
+    return (float32(nibble) - float32(8.0)) * float32(q4_d[g * D_STRIDE])
 # --8<-- [end:quantize_q4_0_device]
 
 
@@ -140,7 +152,7 @@ def quantize_q4_0(x):
     assert width % Q4_GROUP == 0, f"last axis {width} is not a multiple of {Q4_GROUP}"
     n_blocks, n_rows = width // Q4_GROUP, int(np.prod(lead))
     shape = (*lead, n_blocks * Q4_BYTES)
-    q4 = np.empty(shape, np.uint8) if is_host_numpy(x) else cuda.device_array(shape, np.uint8)
+    q4 = np.empty(shape, np.uint8) if is_host_numpy(x) else device_empty(shape, np.uint8)
     if n_rows * n_blocks == 0:
         return q4
     with DeviceArgs() as dev:
