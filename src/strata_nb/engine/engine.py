@@ -20,6 +20,7 @@ from ..model.gguf_file import GGUFModel
 from ..model.weights import load_weights
 from ..settings import SamplingSettings, Settings
 from ..text.tokenizer import StreamDecoder, Tokenizer
+from .decode_step import DeviceStep
 from .forward import forward
 from .sampling import sample
 
@@ -111,6 +112,21 @@ class Engine:
         """One step: the token at `pos` goes through every layer -> logits (vocab,)."""
         return self._forward([token], pos, prompt=False, all_logits=False)[-1]
 
+    def device_step(self, s: SamplingSettings | None = None, rng=None) -> DeviceStep | None:
+        """The replayable decode step (decode_step.py), where the backend and cache allow one.
+        Its draws use s.seed, or one seed taken from `rng`."""
+        if not DeviceStep.supported(self.be, self.kv):
+            return None
+        seed = 0 if s is None else s.seed if s.seed is not None else int(rng.integers(2**31))
+        return DeviceStep(self.be, self.weights, self.kv, self.settings.graph, s, seed)
+
+    def next_token(self, token: int, pos: int, s: SamplingSettings, rng, step: DeviceStep | None) -> int:
+        """Decode `token` at `pos` and sample the next one: on the device step when there is one."""
+        if step is None:
+            return sample(self.decode_one_token(token, pos), s, rng)
+        picked = step.run(token, pos)  # greedy (equal to the host's pick) or drawn on the device
+        return picked if step.picks else sample(step.logits_on_host(), s, rng)
+
     def _forward(self, ids, start: int, prompt: bool, all_logits: bool) -> np.ndarray:
         """ids at positions start, start + 1, ... through every layer -> logits (n or 1, vocab)."""
         part = np.asarray(ids, np.int32)
@@ -158,8 +174,9 @@ class Engine:
         logits = self.prefill(ids)
         stats.prefill_seconds = time.perf_counter() - t0
         t0, pos = time.perf_counter(), len(ids)
+        step = self.device_step(s, rng)
+        token = sample(logits, s, rng)
         while True:
-            token = sample(logits, s, rng)
             if token in self.tokenizer.stop_ids:
                 stats.finish_reason = "stop"
                 break
@@ -172,7 +189,7 @@ class Engine:
             if stats.generated_tokens >= s.max_tokens or pos >= self.settings.max_context:
                 stats.finish_reason = "length"
                 break
-            logits = self.decode_one_token(token, pos)
+            token = self.next_token(token, pos, s, rng, step)
             pos += 1
         stats.decode_seconds = time.perf_counter() - t0
         tail = decoder.flush()

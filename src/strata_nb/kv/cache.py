@@ -90,6 +90,9 @@ class KVCache:
         self.stage = None if self.plan is None else KVDest(
             {f: be.zeros((self.n_blocks,) + tuple(a.shape[1:]), a.dtype)
              for f, a in self.layers[0].pool.items()}, identity, None)
+        # a decode step replayed from a graph cannot be handed a new block list: it lists
+        # every block, and attention skips those after the query (resident, dense only)
+        self.every_block = be.asarray(np.arange(self.n_blocks, dtype=np.int32).reshape(1, self.n_blocks))
         self.counters = StreamCounters()
         self._hadamard = be.op("hadamard")
         self._attention = be.op("attention")
@@ -97,6 +100,12 @@ class KVCache:
     @property
     def streamed(self) -> bool:
         return self.plan is not None
+
+    @property
+    def positions_on_device(self) -> bool:
+        """Can a step's positions stay in device memory? Only when no host decision (ring,
+        slots, QSA selection) depends on them: fully resident, dense attention."""
+        return not self.streamed and self.qsa_budget == 0
 
     def describe(self) -> str:
         if not self.streamed:
@@ -107,8 +116,10 @@ class KVCache:
 
     # ---- the two verbs the forward pass calls -------------------------------------------
     # --8<-- [start:append]
-    def append(self, layer: int, positions: np.ndarray, k, v, prompt: bool):
-        """k, v (n, n_kv, hd) float32 after RoPE, at `positions` (n,) -> the cache."""
+    def append(self, layer: int, positions, k, v, prompt: bool):
+        """k, v (n, n_kv, hd) float32 after RoPE, at `positions` (n,) -> the cache.
+
+        positions: NumPy int32, or a device array when `positions_on_device`."""
         if "k" in rotates(self.fmt):
             k = self._hadamard(k)
         if "v" in rotates(self.fmt):
@@ -132,12 +143,15 @@ class KVCache:
     # --8<-- [end:append]
 
     # --8<-- [start:attend]
-    def attend(self, layer: int, q, positions: np.ndarray, prompt: bool):
+    def attend(self, layer: int, q, positions, prompt: bool):
         """q (n, n_heads, hd) float32 at `positions` -> attention output (n, n_heads, hd)."""
         if "q" in rotates(self.fmt):
             q = self._hadamard(q)  # <Hq, Hk> = <q, k>: the rotation cancels in the scores
         L = self.layers[layer]
-        if prompt:  # a prompt chunk reads every earlier cell: the pool, or the stage when streaming
+        if not isinstance(positions, np.ndarray):  # positions in device memory: a replayable step
+            assert self.positions_on_device and not prompt, "device positions need a resident, dense decode step"
+            blocks, src = self.every_block, L
+        elif prompt:  # a prompt chunk reads every earlier cell: the pool, or the stage when streaming
             blocks, src = all_blocks_upto(positions), (self.stage if self.streamed else L)
         else:
             blocks, src = self.select(L, q, positions), L
@@ -146,7 +160,7 @@ class KVCache:
                 self._move(L.host, L.pool, copies)
                 self.counters.copies += len(copies)
                 self._upload_table(L)
-        out = self.be.zeros(q.shape, np.float32)
+        out = self.be.empty(q.shape, np.float32)
         self._attention(self.fmt, q, self.be.asarray(positions), self.be.asarray(blocks), src.page_table,
                         src.pool, src.host, out)
         if "v" in rotates(self.fmt):

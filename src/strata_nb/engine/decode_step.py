@@ -1,0 +1,98 @@
+"""A decode step whose inputs live in device memory, so it can be replayed from a graph.
+
+The host path (`Engine.decode_one_token`) hands each step its token and position as NumPy
+arrays, which every launch copies over. Here they stay on the device:
+
+    token (1,) int32   the id going in; the step's argmax writes the greedy pick over it
+    pos   (1,) int32   its position; the step's last launch adds 1
+    every_block        the attention block list: the whole context, the kernel skips
+                       blocks after the query (kv/cache.py)
+
+so one step's launches are the same every token and can be captured once into a CUDA graph
+(backend/cuda_graph.py) and replayed. Greedy decode, and temperature / top-p sampling
+(drawn on the device from a seed and the position), then never wait on the host between
+steps except to read the 4-byte pick from mapped memory; top-k sampling reads the logits
+back and writes its token over `token`.
+
+It needs a fully resident cache with dense attention: streaming and QSA make host
+decisions from the position (ring, slots, selection) inside the step, so those steps run
+the host path. Without a GPU (the simulator) or with `--no-graph`, `run` launches the
+same kernels one by one: the tests check that path against the host path.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..backend import gpu_present
+from ..errors import StrataError
+from ..kv.formats import BLOCK
+from .forward import forward
+
+
+# --8<-- [start:device_step]
+class DeviceStep:
+    def __init__(self, be, weights, kv, use_graph: bool, sampling=None, seed: int = 0):
+        """sampling: None or temperature 0 = greedy; temperature > 0 without top-k = drawn
+        on the device (kernels/sample_top_p.py, with `seed` and the position); with top-k
+        the host samples from `logits_on_host()` and `picks` is False."""
+        self.be, self.weights, self.kv = be, weights, kv
+        greedy = sampling is None or sampling.temperature == 0
+        self.draw = None if greedy or sampling.top_k else (
+            np.float32(1 / sampling.temperature), np.float32(sampling.top_p), seed & 0xFFFFFFFF)
+        self.picks = greedy or self.draw is not None  # is run()'s token the one to use?
+        self.token = be.asarray(np.zeros(1, np.int32))
+        self.pos = be.asarray(np.zeros(1, np.int32))
+        self.chosen = be.host_array((1,), np.int32)  # mapped: the greedy pick, read by the host
+        self.use_graph = use_graph and gpu_present()
+        self.graph = None  # captured on the second step: the first compiles every kernel
+        self.logits = None  # (1, vocab) device array the step writes
+        self._next = None  # (token, pos) the device buffers hold now
+
+    @staticmethod
+    def supported(be, kv) -> bool:
+        return be.name == "cuda" and kv.positions_on_device
+
+    def launch(self):
+        """The step's launches: the forward pass, the pick (greedy or drawn), advance."""
+        logits = forward(self.be, self.weights, self.kv, self.token, self.pos, prompt=False)
+        if self.draw is None:
+            self.be.op("argmax")(logits, self.token)
+        else:
+            inv_temperature, top_p, seed = self.draw
+            self.be.op("sample_top_p")(logits[0], inv_temperature, top_p, seed, self.pos, self.token)
+        self.be.op("advance_step")(self.token, self.pos, self.chosen)
+        return logits
+
+    def run(self, token: int, pos: int) -> int:
+        """Decode `token` at `pos`; returns the step's pick (logits in `self.logits`)."""
+        if not 0 <= pos < self.kv.n_blocks * BLOCK:  # the kernels do not bounds-check positions
+            raise StrataError(f"position {pos} is outside the KV cache's {self.kv.n_blocks * BLOCK} cells")
+        if self._next != (token, pos):  # a sampled token, or the first step: write the inputs
+            self.be.copy_into(self.token, np.array([token], np.int32))
+            self.be.copy_into(self.pos, np.array([pos], np.int32))
+        if self.graph is not None:
+            self.graph.replay()
+            self.graph.synchronize()
+        elif self.use_graph and self.logits is not None:
+            from ..backend.cuda_graph import StepGraph
+
+            self.be.synchronize()
+            self.graph = StepGraph(self.launch)
+            self.logits = self.graph.result
+            self.graph.replay()
+            self.graph.synchronize()
+        else:
+            self.logits = self.launch()
+            self.be.synchronize()
+        picked = int(self.chosen[0])
+        self._next = (picked, pos + 1)
+        return picked
+
+    @property
+    def next_input(self) -> tuple[int, int]:
+        """(token, pos) the device buffers hold: the last pick at the next position."""
+        return self._next
+
+    def logits_on_host(self) -> np.ndarray:
+        return self.be.to_numpy(self.logits)[-1]
+# --8<-- [end:device_step]

@@ -1,0 +1,106 @@
+"""The replayable decode step (engine/decode_step.py) against the host path, on the cuda
+backend: the same kernels on the same bytes, so the same logits bit for bit and the same
+tokens. Under the simulator the step launches kernel by kernel; on a GPU
+(STRATA_NB_GPU=1) it is captured into a CUDA graph and replayed, and must still agree.
+
+fp16 and k8v4: k8v4 takes every other route there is through append (two folded halves,
+the int8 and q4_0 writers) and attention (rotated V comes back through a Hadamard). One
+engine serves both paths: each step is decoded by the host path, then again by the device
+step, which rewrites the same cell with the same bytes.
+"""
+import numpy as np
+import pytest
+
+from strata_nb.backend.cuda_backend import CudaBackend
+from strata_nb.engine.decode_step import DeviceStep
+from strata_nb.engine.engine import Engine
+from strata_nb.errors import StrataError
+from strata_nb.kernels.advance_step import advance_step, advance_step_ref
+from strata_nb.kernels.hadamard import hadamard, hadamard_ref
+from strata_nb.kernels.launch import Capture, capturing
+from strata_nb.kernels.sample_top_p import sample_top_p_ref
+from strata_nb.model.gguf_file import GGUFModel
+from strata_nb.settings import SamplingSettings, Settings
+
+PROMPT = [3 + ord("t")]  # one token: the simulator spends seconds per forward pass
+STEPS = 2
+
+
+def engine(tiny_model, kv, **kw):
+    settings = Settings(model=tiny_model, kv=kv, max_context=64, device="cuda", **kw)
+    return Engine(settings, GGUFModel(tiny_model), CudaBackend())
+
+
+def test_advance_step_kernel_equals_ref():
+    for impl in (advance_step_ref, advance_step):
+        token, pos, chosen = (np.array([v], np.int32) for v in (41, 7, 0))
+        impl(token, pos, chosen)
+        assert (int(token[0]), int(pos[0]), int(chosen[0])) == (41, 8, 41), impl.__name__
+
+
+@pytest.mark.parametrize("kv", ["fp16", "k8v4"])
+def test_device_step_equals_host_path(tiny_model, kv):
+    eng = engine(tiny_model, kv)
+    step = eng.device_step()
+    assert step is not None
+    token = int(np.argmax(eng.prefill(PROMPT)))
+    for i in range(STEPS):
+        pos = len(PROMPT) + i
+        want = eng.decode_one_token(token, pos)
+        picked = step.run(token, pos)
+        np.testing.assert_array_equal(step.logits_on_host(), want, err_msg=f"{kv} step {i}")
+        assert picked == int(np.argmax(want))
+        token = picked
+
+
+def test_host_sampled_tokens_are_written_back(tiny_model):
+    """Top-k sampling happens on the host, from the step's logits; its token overrides the
+    device's pick: generate with the device step equals generate on the host path."""
+    s = SamplingSettings(max_tokens=2, temperature=1.5, top_k=20, seed=3)
+    a, b = engine(tiny_model, "fp16"), engine(tiny_model, "fp16")
+    b.device_step = lambda *args: None  # the host path
+    got, want = [], []
+    "".join(a.generate_ids(PROMPT, s, on_token=got.append))
+    "".join(b.generate_ids(PROMPT, s, on_token=want.append))
+    assert got == want and len(got) == 2
+
+
+def test_top_p_draws_on_the_device(tiny_model):
+    """Temperature and top-p without top-k: the step draws with sample_top_p, seeded by the
+    seed and the position, the same token as the reference on the host path's logits."""
+    eng = engine(tiny_model, "fp16")
+    s = SamplingSettings(temperature=0.8, top_p=0.9, seed=11)
+    step = eng.device_step(s)
+    assert step.picks and step.draw is not None
+    token, pos = int(np.argmax(eng.prefill(PROMPT))), len(PROMPT)
+    want_logits = eng.decode_one_token(token, pos)
+    want = np.zeros(1, np.int32)
+    sample_top_p_ref(want_logits, np.float32(1 / 0.8), np.float32(0.9), 11, np.array([pos], np.int32), want)
+    assert step.run(token, pos) == int(want[0])
+
+
+def test_streamed_or_qsa_cache_takes_the_host_path(tiny_model):
+    assert engine(tiny_model, "fp16", qsa_budget=32).device_step() is None
+    assert not DeviceStep.supported(engine(tiny_model, "fp16").be, engine(tiny_model, "fp16", qsa_budget=32).kv)
+
+
+def test_a_position_past_the_cache_is_an_error(tiny_model):
+    step = engine(tiny_model, "fp16").device_step()
+    with pytest.raises(StrataError, match="outside the KV cache's 64 cells"):
+        step.run(5, 64)
+
+
+def test_capture_keeps_its_allocations_and_refuses_numpy():
+    """While a capture is open, launchers allocate through device_empty (kept alive for the
+    graph) and a NumPy argument, which would be a host copy frozen into the graph, fails."""
+    from numba import cuda
+
+    keep = []
+    x = cuda.to_device(np.ones((2, 64), np.float32))
+    with capturing(0, keep):
+        out = hadamard(x)
+        assert keep[-1] is out
+        with pytest.raises(AssertionError, match="during graph capture"):
+            hadamard(np.ones((2, 64), np.float32))
+    assert Capture.keep is None and Capture.stream == 0
+    np.testing.assert_allclose(out.copy_to_host(), hadamard_ref(np.ones((2, 64), np.float32)), atol=1e-6)
