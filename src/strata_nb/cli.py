@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 
 import click
@@ -10,6 +11,7 @@ from .errors import StrataError
 from .kv.formats import USER_FORMATS
 
 KV_CHOICE = click.Choice(USER_FORMATS)
+_ARGV: list[str] = []  # the command line main() was given, for outputs that record it
 
 
 def engine_options(f):
@@ -30,6 +32,9 @@ def engine_options(f):
                      help="Recent KV cells per layer held in the VRAM ring when streaming."),
         click.option("--qsa-budget", type=int, default=0, show_default=True,
                      help="KV cells a decode query reads, chosen by QSA block selection; 0 = all."),
+        click.option("--graph/--no-graph", default=True, show_default=True,
+                     help="On a GPU, capture a decode step into a CUDA graph once and replay it per token "
+                          "(fully resident KV, dense attention); --no-graph launches every kernel each step."),
         click.option("--fault", type=click.Choice(["none", "drop-v-mirror"]), default="none",
                      help="Teaching switch: drop-v-mirror makes the k8v4 V half skip the host copy "
                           "(the unfolded-half bug). Off by default."),
@@ -189,6 +194,94 @@ def compare_kv_cmd(model, text_file, ctx, formats, budgets, prefill_chunk, devic
 
 
 @cli.command()
+@click.option("--model", type=click.Path(dir_okay=False), default=None,
+              help="GGUF file (default: the default model). Speed depends on its shapes only.")
+@click.option("--formats", default="fp16,int8,q4_0,k8v4", show_default=True, help="KV formats, fully resident.")
+@click.option("--streamed-formats", default=None,
+              help="KV formats also run streamed at the minimum resident size with QSA 1024 (default: --formats; '' = none).")
+@click.option("--depths", default="1024,4096,8192", show_default=True,
+              help="Prompt tokens before decode (clamped to fit --max-context with the decoded tokens).")
+@click.option("--runs", type=int, default=5, show_default=True, help="Runs per configuration; rates are medians.")
+@click.option("--decode-tokens", type=int, default=64, show_default=True, help="Timed decode steps per run.")
+@click.option("--check-tokens", type=int, default=32, show_default=True,
+              help="First greedy tokens held against the numpy backend; 0 = no check.")
+@click.option("--peer/--no-peer", default=True, show_default=True,
+              help="Also time HF transformers (eager bf16) on the same shapes, if torch and transformers import.")
+@click.option("--profile/--no-profile", default=True, show_default=True,
+              help="Per-kernel breakdown of one decode step (needs torch for CUPTI).")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+@click.option("--graph/--no-graph", default=True, show_default=True, help="Replay decode steps from a CUDA graph.")
+@click.option("--max-context", type=int, default=None, help="KV cells per layer (default: the model's trained context).")
+@click.option("--out", type=click.Path(file_okay=False), default="bench-out", show_default=True,
+              help="Folder for bench.json, bench.md and bench.png.")
+@click.option("--append", is_flag=True,
+              help="Add this run's rows, peer rows and profile to the bench.json already in --out.")
+def bench(model, formats, streamed_formats, depths, runs, decode_tokens, check_tokens, peer, profile, device,
+          graph, max_context, out, append):
+    """Measure prefill and decode tok/s per KV format, resident and streamed, at several depths."""
+    from importlib import resources
+    from pathlib import Path
+
+    from .bench.report import write
+    from .bench.run import bench as run_bench
+
+    earlier = None
+    if append:
+        try:
+            earlier = json.loads((Path(out) / "bench.json").read_text())
+        except (OSError, ValueError) as e:
+            raise StrataError(f"--append needs a readable bench.json in {out}: {e}") from None
+    fmts = _formats(formats, "--formats", allow_empty=True)
+    streamed = fmts if streamed_formats is None else _formats(streamed_formats, "--streamed-formats", allow_empty=True)
+    try:
+        depth_list = [int(d) for d in depths.split(",") if d.strip()]
+    except ValueError:
+        raise StrataError(f"--depths takes comma-separated token counts, got {depths!r}") from None
+    if not depth_list or min(depth_list) < 1:
+        raise StrataError("--depths needs at least one depth >= 1")
+    if runs < 1 or decode_tokens < 1 or check_tokens < 0:
+        raise StrataError("--runs and --decode-tokens must be >= 1, --check-tokens >= 0")
+    eng = load_engine(model=model, device=device, graph=graph, max_context=max_context)
+    if min(depth_list) + decode_tokens + 3 > eng.settings.max_context:
+        raise StrataError(f"depth {min(depth_list)} + {decode_tokens} decode tokens do not fit "
+                          f"--max-context {eng.settings.max_context}")
+    from .kv.cache import StreamPlan
+
+    minimum = StreamPlan.minimum_cells(eng.settings.kv_window)
+    if streamed and eng.kv.n_blocks * 16 <= minimum:
+        raise StrataError(f"streamed rows need --max-context above the minimum resident size ({minimum} cells); "
+                          "raise it or pass --streamed-formats ''")
+    text = resources.files("strata_nb.data").joinpath("default_document.txt").read_text()
+    result = run_bench(eng, text, fmts, streamed, depth_list, runs, decode_tokens,
+                       min(check_tokens, decode_tokens + 3), peer, profile, lambda m: click.echo(m, err=True))
+    result |= {"model": eng.config.name or str(eng.model.path), "device": _device_name(eng.be),
+               "command": "strata-nb " + shlex.join(_ARGV)}
+    if earlier is not None:
+        result = earlier | {k: v for k, v in result.items() if k not in ("rows", "peer", "command")} | {
+            "rows": earlier["rows"] + result["rows"], "peer": earlier.get("peer", []) + result["peer"],
+            "command": earlier["command"] + "; then: " + result["command"]}
+    for path in write(result, Path(out)):
+        click.echo(str(path))
+
+
+def _formats(text: str, flag: str, allow_empty: bool = False) -> list[str]:
+    fmts = [f.strip() for f in text.split(",") if f.strip()]
+    bad = [f for f in fmts if f not in USER_FORMATS]
+    if bad or (not fmts and not allow_empty):
+        raise StrataError(f"{flag} takes formats from {', '.join(USER_FORMATS)}, got {text!r}")
+    return fmts
+
+
+def _device_name(be) -> str:
+    if be.name != "cuda":
+        return "CPU (numpy backend)"
+    from numba import cuda
+
+    name = cuda.get_current_device().name
+    return name.decode() if isinstance(name, bytes) else str(name)
+
+
+@cli.command()
 def fetch():
     """Download the default model into the cache (STRATA_NB_HOME or the user cache dir)."""
     from .model.fetch import fetch as fetch_model
@@ -198,6 +291,8 @@ def fetch():
 
 def main(argv=None):
     """Entry point: user mistakes print one line and exit 2; bugs keep their traceback."""
+    global _ARGV
+    _ARGV = list(sys.argv[1:] if argv is None else argv)
     try:
         rv = cli.main(args=argv, prog_name="strata-nb", standalone_mode=False)
     except click.exceptions.UsageError as err:

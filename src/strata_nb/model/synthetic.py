@@ -86,3 +86,16 @@ def write_synthetic_gguf(path: str | Path, *, n_layers: int = 2, d_model: int = 
     w.write_tensors_to_file()
     w.close()
     return Path(path)
+
+
+# The default model's shapes (SmolLM2-135M): what decides a benchmark's speed.
+DEFAULT_SHAPES = dict(n_layers=30, d_model=576, d_ff=1536, n_heads=9, n_kv_heads=3, head_dim=64)
+DEFAULT_VOCAB = 49152
+
+
+def write_default_shapes_gguf(path: str | Path, context: int = 8192, seed: int = 1) -> Path:
+    """Random weights in the default model's shapes and vocabulary size (filler tokens
+    `tok<i>` after the bytes), so the output head is as large as the real one."""
+    tokens = SPECIALS + sorted(_byte_decoder(), key=_byte_decoder().get)
+    tokens += [f"tok{i}" for i in range(DEFAULT_VOCAB - len(tokens))]
+    return write_synthetic_gguf(path, **DEFAULT_SHAPES, context=context, seed=seed, tokens=tokens, merges=[])

@@ -1,0 +1,79 @@
+"""Is a configuration's output right? Its first greedy tokens against the numpy backend.
+
+Greedy tokens from two backends need not be identical: their logits differ by float
+rounding, and with a quantized KV cache a rounding difference can flip a stored code
+(docs: "Running on a GPU"). So the check is teacher-forced: the numpy backend, with the
+same settings, scores the configuration's own tokens, and each token must be numpy's top
+pick or within `GAP_TOL` logits of it, a near tie. A broken kernel picks tokens the
+reference puts far down (a garbled cache, a dropped mirror), and the row is marked broken.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+GAP_TOL = 1.0  # logits below numpy's top that a token may be and still count as a near tie
+
+
+@dataclass
+class Check:
+    tokens: int  # how many were checked
+    exact: int  # tokens that are numpy's top pick
+    max_gap: float  # the largest (numpy's top logit - numpy's logit of our token)
+    broken: bool
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+# --8<-- [start:check_tokens]
+def check_tokens(ref_logits: np.ndarray, tokens: list[int]) -> Check:
+    """ref_logits[i]: the numpy backend's logits for the position token i was picked at."""
+    rows = np.asarray(ref_logits, np.float32)[: len(tokens)]
+    picked = rows[np.arange(len(tokens)), tokens]
+    gaps = rows.max(axis=1) - picked
+    return Check(len(tokens), int((gaps == 0).sum()), float(gaps.max()), bool((gaps > GAP_TOL).any()))
+
+
+def reference_logits(ref_engine, prompt: list[int], tokens: list[int]) -> np.ndarray:
+    """The numpy engine's logits for each of `tokens`, teacher-forced: the prompt's last
+    row, then each earlier token through a decode step (block selection included)."""
+    rows = [ref_engine.prefill(prompt)]
+    for i, token in enumerate(tokens[:-1]):
+        rows.append(ref_engine.decode_one_token(token, len(prompt) + i))
+    return np.stack(rows)
+# --8<-- [end:check_tokens]
+
+
+# ---- checks run in worker processes, beside the GPU timing -----------------------------
+# The reference is the numpy backend on the CPU: seconds per check at 8K tokens. Worker
+# processes run the checks while the main process times the GPU, each with a share of
+# the CPU's cores for its BLAS.
+_ENGINE = None  # this worker's numpy engine, built on its first job
+
+
+def check_job(base_settings: dict, changes: dict, prompt: list[int], tokens: list[int]) -> dict:
+    global _ENGINE
+    from ..backend.numpy_backend import NumpyBackend
+    from ..engine.engine import Engine
+    from ..model.gguf_file import GGUFModel
+    from ..settings import Settings
+
+    if _ENGINE is None:
+        settings = Settings(**(base_settings | {"device": "cpu"}))
+        _ENGINE = Engine(settings, GGUFModel(settings.model), NumpyBackend())
+    ref = _ENGINE.derive(**changes)
+    return check_tokens(reference_logits(ref, prompt, tokens), tokens).as_dict()
+
+
+def check_pool(workers: int):
+    """A process pool for check_job; BLAS threads are split between the workers."""
+    import multiprocessing
+    import os
+    from concurrent.futures import ProcessPoolExecutor
+
+    threads = str(max(1, (os.cpu_count() or 2) // (workers + 1)))
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ[var] = threads  # read by the workers' NumPy when it loads
+    return ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"))

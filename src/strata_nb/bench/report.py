@@ -1,0 +1,106 @@
+"""The bench's outputs: bench.json (everything), bench.md (the table), bench.png (the plot)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def _rate(x) -> str:
+    return "-" if x is None else f"{x:,.0f}" if x >= 100 else f"{x:.1f}"
+
+
+# --8<-- [start:bench_table]
+def table(result: dict) -> str:
+    bw = result.get("copy_gb_s")
+    lines = ["| configuration | depth | prefill tok/s | decode tok/s | KV MiB | read/token MiB | GB/s "
+             + (f"(% of copy {bw:,.0f}) " if bw else "") + "| hit rate | graph | output check |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
+    for r in result["rows"]:
+        c = r.get("check")
+        if c is None:
+            check = "not checked"
+        else:
+            verdict = "**BROKEN**" if c["broken"] else "ok"
+            check = f"{verdict}: {c['exact']}/{c['tokens']} top-1, max gap {c['max_gap']:.2f}"
+        gbs = f"{r['gb_s']:,.0f}" + (f" ({100 * r['gb_s'] / bw:.1f}%)" if bw else "")
+        hits = "-" if r["hit_rate"] is None else f"{r['hit_rate']:.3f}"
+        name = f"{r['fmt']} {r['mode']}"
+        if c and c["broken"]:
+            name = f"~~{name}~~"
+        lines.append(f"| {name} | {r['depth']:,} | {_rate(r['prefill_tok_s'])} | {_rate(r['decode_tok_s'])} | "
+                     f"{r['kv_bytes'] / 2**20:.1f} | {r['bytes_per_token'] / 2**20:.1f} | {gbs} | "
+                     f"{hits} | "
+                     f"{'yes' if r['graph'] else 'no'} | {check} |")
+    for p in result.get("peer", []):
+        if "error" in p:
+            lines.append(f"| {p['peer']} | {p['depth']:,} | failed | failed | | | | | | {p['error'][:80]} |")
+        else:
+            lines.append(f"| {p['peer']} | {p['depth']:,} | {_rate(p['prefill_tok_s'])} | "
+                         f"{_rate(p['decode_tok_s'])} | | | | | | peer |")
+    return "\n".join(lines)
+# --8<-- [end:bench_table]
+
+
+def profile_table(prof: dict) -> str:
+    step_gpu = prof["gpu_us"]
+    lines = [f"Decode step: {prof['launches']:.0f} kernels, {step_gpu:,.0f} us of GPU time; wall time "
+             f"{prof['graph_wall_us']:,.0f} us replayed from a graph, {prof['eager_wall_us']:,.0f} us "
+             "launched one by one.", "",
+             "| kernel | launches per step | GPU us per step | share |", "| --- | ---: | ---: | ---: |"]
+    for name, (n, us) in sorted(prof["kernels"].items(), key=lambda kv: -kv[1][1]):
+        lines.append(f"| `{name}` | {n:.0f} | {us:,.1f} | {100 * us / step_gpu:.1f}% |")
+    lines += ["", f"Prefill chunk of {prof['prefill_chunk']} tokens: {prof['prefill_gpu_us']:,.0f} us of GPU time.", "",
+              "| kernel | launches | GPU us | share |", "| --- | ---: | ---: | ---: |"]
+    for name, (n, us) in sorted(prof["prefill_kernels"].items(), key=lambda kv: -kv[1][1]):
+        lines.append(f"| `{name}` | {n:.0f} | {us:,.1f} | {100 * us / prof['prefill_gpu_us']:.1f}% |")
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: Path) -> bool:
+    """Decode and prefill tok/s against depth, one line per configuration and peer."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    series: dict = {}
+    for r in result["rows"]:
+        broken = r.get("check") and r["check"]["broken"]
+        key = f"{r['fmt']} {r['mode']}" + (" (BROKEN)" if broken else "")
+        series.setdefault(key, []).append((r["depth"], r["decode_tok_s"], r["prefill_tok_s"]))
+    for p in result.get("peer", []):
+        if "error" not in p:
+            series.setdefault(p["peer"], []).append((p["depth"], p["decode_tok_s"], p["prefill_tok_s"]))
+    for key, pts in series.items():
+        pts.sort()
+        style = "--" if key.startswith("transformers") else "-o"
+        axes[0].plot([p[0] for p in pts], [p[1] for p in pts], style, label=key)
+        axes[1].plot([p[0] for p in pts], [p[2] for p in pts], style, label=key)
+    for ax, what in zip(axes, ("decode", "prefill")):
+        ax.set_xlabel("depth (tokens)")
+        ax.set_ylabel(f"{what} tok/s")
+        ax.set_yscale("log")
+        ax.grid(True, alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"strata-nb bench: {result['model']} on {result['device']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def write(result: dict, out: Path) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    written = [out / "bench.json", out / "bench.md"]
+    written[0].write_text(json.dumps(result, indent=1))
+    md = ["# strata-nb bench", "", f"`{result['command']}`", "",
+          f"Model: {result['model']}; device: {result['device']}; runs: {result['runs']} (median); "
+          f"decode tokens per run: {result['decode_tokens']}.", "", table(result)]
+    if result.get("profile"):
+        md += ["", f"## One decode step, {result['profile']['config']}", "", profile_table(result["profile"])]
+    written[1].write_text("\n".join(md) + "\n")
+    if plot(result, out / "bench.png"):
+        written.append(out / "bench.png")
+    return written

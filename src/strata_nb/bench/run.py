@@ -1,0 +1,202 @@
+"""Time the engine: prefill and decode tok/s per (format, mode, depth), with what they read.
+
+One configuration is a KV format, a mode (fully resident, or streamed at the minimum
+resident size with QSA) and a depth (prompt tokens before decode). First an untimed
+warm-up on a short prompt compiles the format's kernels. Then each run builds a fresh
+cache, prefills the prompt (timed), decodes WARMUP steps untimed (the first captures the
+graph), then times `n_decode` steps. The reported rate is the median of runs.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..errors import StrataError
+from ..kv.cache import StreamPlan
+from ..kv.formats import cell_bytes
+from ..settings import SamplingSettings
+
+WARMUP = 2  # untimed decode steps per run: kernel compilation, graph capture
+QSA_BUDGET = 1024  # the streamed mode's block-selection budget, in cells
+
+
+# --8<-- [start:bench_config]
+@dataclass(frozen=True)
+class Config:
+    fmt: str
+    streamed: bool
+    depth: int  # prompt tokens before the first decode step
+
+    @property
+    def mode(self) -> str:
+        return f"streamed (min resident, QSA {QSA_BUDGET})" if self.streamed else "resident"
+
+    def settings(self, kv_window: int) -> dict:
+        if not self.streamed:
+            return dict(kv=self.fmt, kv_resident=0, qsa_budget=0)
+        return dict(kv=self.fmt, kv_resident=StreamPlan.minimum_cells(kv_window), qsa_budget=QSA_BUDGET)
+# --8<-- [end:bench_config]
+
+
+@dataclass
+class Row:
+    fmt: str
+    mode: str
+    depth: int
+    prefill_tok_s: float
+    decode_tok_s: float
+    prefill_runs: list[float]
+    decode_runs: list[float]
+    graph: bool  # decode replayed from a CUDA graph
+    kv_bytes: int  # the cache's K/V at this depth, all layers
+    bytes_per_token: int  # weights + K/V a decode step reads
+    gb_s: float  # bytes_per_token * decode tok/s
+    hit_rate: float | None  # streamed: VRAM hits / block lookups
+    tokens: list[int]  # the first greedy tokens (the prefill's pick first)
+    check: dict | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def weight_bytes(weights) -> int:
+    """Bytes of weights one decode step reads: every layer's matrices and norms, the final
+    norm and the output head (the embedding table itself: one row)."""
+    def nbytes(a):
+        return a.raw.nbytes if hasattr(a, "raw") else a.nbytes
+
+    total = sum(nbytes(getattr(L, f)) for L in weights.layers
+                for f in ("attn_norm", "wqkv", "wo", "ffn_norm", "wgate_up", "wdown"))
+    return total + nbytes(weights.output) + nbytes(weights.output_norm)
+
+
+def kv_bytes_read(eng, depth: int) -> int:
+    """K/V bytes one decode step at `depth` reads: every cell, or the QSA budget."""
+    cfg = eng.config
+    cells = depth if eng.settings.qsa_budget == 0 else min(depth, eng.settings.qsa_budget)
+    return cells * cell_bytes(eng.settings.kv, cfg.n_kv_heads, cfg.head_dim) * cfg.n_layers
+
+
+# --8<-- [start:bench_one]
+def run_config(base, cfg: Config, prompt: list[int], runs: int, n_decode: int) -> Row:
+    greedy = SamplingSettings(max_tokens=n_decode + WARMUP + 1)
+    prefill_rates, decode_rates, tokens, hit_rate, graph = [], [], None, None, False
+    warm = base.derive(**cfg.settings(base.settings.kv_window))  # compile this format's kernels, untimed
+    if cfg.streamed and not warm.kv.streamed:
+        raise StrataError(f"streamed rows need --max-context above the minimum resident size "
+                          f"({StreamPlan.minimum_cells(base.settings.kv_window)} cells); "
+                          "raise it or pass --streamed-formats ''")
+    short = prompt[: base.settings.prefill_chunk + 1]  # a full chunk (tiled matmul) and a short one
+    step = warm.device_step()
+    token, pos = int(np.argmax(warm.prefill(short))), len(short)
+    for i in range(WARMUP):
+        token = warm.next_token(token, pos + i, greedy, None, step)
+    for _ in range(runs):
+        eng = base.derive(**cfg.settings(base.settings.kv_window))
+        t0 = time.perf_counter()
+        logits = eng.prefill(prompt)  # returns host logits: the prefill has finished
+        prefill_rates.append(len(prompt) / (time.perf_counter() - t0))
+        step = eng.device_step()
+        graph = bool(step is not None and step.use_graph)
+        run_tokens, pos = [int(np.argmax(logits))], len(prompt)
+        for _ in range(WARMUP):
+            run_tokens.append(eng.next_token(run_tokens[-1], pos, greedy, None, step))
+            pos += 1
+        t0 = time.perf_counter()
+        for _ in range(n_decode):
+            run_tokens.append(eng.next_token(run_tokens[-1], pos, greedy, None, step))
+            pos += 1
+        decode_rates.append(n_decode / (time.perf_counter() - t0))
+        if tokens is None:
+            tokens = run_tokens
+        elif run_tokens != tokens:  # the same prompt must give the same tokens every run
+            raise RuntimeError(f"{cfg}: run tokens differ from the first run's: nondeterministic decode")
+        if eng.kv.streamed:
+            hit_rate = eng.kv.counters.hit_rate
+    decode = statistics.median(decode_rates)
+    per_token = weight_bytes(base.weights) + kv_bytes_read(eng, cfg.depth)
+    cfg_model = base.config
+    kv_total = cfg.depth * cell_bytes(cfg.fmt, cfg_model.n_kv_heads, cfg_model.head_dim) * cfg_model.n_layers
+    return Row(cfg.fmt, cfg.mode, cfg.depth, statistics.median(prefill_rates), decode, prefill_rates,
+               decode_rates, graph, kv_total, per_token, per_token * decode / 1e9, hit_rate, tokens)
+# --8<-- [end:bench_one]
+
+
+def prompt_of(eng, text: str, depth: int) -> list[int]:
+    """`depth` tokens of `text`, repeated as often as needed."""
+    ids = eng.tokenize(text)
+    return (ids * (depth // len(ids) + 1))[:depth]
+
+
+def copy_bandwidth(be, n_bytes: int = 1 << 30, runs: int = 5) -> float | None:
+    """GB/s of a device-to-device copy (bytes read + written): the ceiling a bandwidth-bound
+    kernel can approach. None on the numpy backend."""
+    if be.name != "cuda":
+        return None
+    from numba import cuda
+
+    src = cuda.device_array(n_bytes // 4, np.float32)
+    dst = cuda.device_array(n_bytes // 4, np.float32)
+    rates = []
+    for _ in range(runs + 1):
+        cuda.synchronize()
+        t0 = time.perf_counter()
+        dst.copy_to_device(src)
+        cuda.synchronize()
+        rates.append(2 * n_bytes / (time.perf_counter() - t0) / 1e9)
+    return statistics.median(rates[1:])
+
+
+# --8<-- [start:bench]
+def bench(base, text: str, formats: list[str], streamed_formats: list[str], depths: list[int], runs: int,
+          n_decode: int, check_n: int, peer: bool, profile: bool, log) -> dict:
+    """Every configuration, the output check, the peer and the profile, as one dict.
+    check_n: how many of each configuration's first greedy tokens the numpy backend checks."""
+    from dataclasses import asdict
+
+    from . import check as checking
+    from . import peer as peers
+
+    ctx = base.settings.max_context
+    result = {"rows": [], "peer": [], "runs": runs, "decode_tokens": n_decode,
+              "copy_gb_s": copy_bandwidth(base.be)}
+    if result["copy_gb_s"]:
+        log(f"device copy bandwidth: {result['copy_gb_s']:,.0f} GB/s (read + write)")
+    pool = checking.check_pool(workers=3) if check_n else None
+    checks, measured_depths = [], []
+    for depth in depths:
+        depth = min(depth, ctx - n_decode - WARMUP - 1)  # room for the decoded tokens
+        measured_depths.append(depth)
+        prompt = prompt_of(base, text, depth)
+        configs = [Config(f, False, depth) for f in formats] + [Config(f, True, depth) for f in streamed_formats]
+        for cfg in configs:
+            row = run_config(base, cfg, prompt, runs, n_decode)
+            log(f"{cfg.fmt} {cfg.mode} at {depth}: prefill {row.prefill_tok_s:,.0f} tok/s, "
+                f"decode {row.decode_tok_s:,.1f} tok/s")
+            if pool:
+                checks.append(pool.submit(checking.check_job, asdict(base.settings) | {"model": str(base.model.path)},
+                                          cfg.settings(base.settings.kv_window),
+                                          prompt, row.tokens[:check_n]))
+            result["rows"].append(row.__dict__)
+    if peer:
+        result["peer"] = peers.peer_rows(base.config, measured_depths, runs, n_decode, log)
+    from .profile import STEPS
+
+    if profile and base.be.name == "cuda":
+        fmt = "k8v4" if "k8v4" in formats or not formats else formats[0]
+        depth = measured_depths[-1] - 4 * STEPS  # room for the profiled steps
+        try:
+            from .profile import profile_decode
+
+            eng = base.derive(kv=fmt, kv_resident=0, qsa_budget=0)
+            result["profile"] = profile_decode(eng, prompt_of(base, text, depth)) | {"config": f"{fmt} resident at {depth}"}
+        except ImportError:
+            log("profile: torch is not importable; no per-kernel breakdown")
+    for row, future in zip(result["rows"], checks):
+        row["check"] = future.result()
+        log(f"check {row['fmt']} {row['mode']} at {row['depth']}: {row['check']}")
+    if pool:
+        pool.shutdown()
+    return result
+# --8<-- [end:bench]

@@ -1,0 +1,82 @@
+"""`strata-nb bench` on the CPU (numpy backend, tiny model): its files, its output check,
+--append, and bad input. The GPU numbers come from the same command on the H200."""
+import json
+
+import numpy as np
+import pytest
+
+from strata_nb.bench.check import GAP_TOL, check_tokens
+from strata_nb.bench.report import table
+from strata_nb.cli import main
+
+
+def run_cli(argv, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    out = capsys.readouterr()
+    return exit_.value.code, out.out, out.err
+
+
+def bench_argv(model, out, *more):
+    return ["bench", "--model", model, "--device", "cpu", "--max-context", "512", "--runs", "2",
+            "--decode-tokens", "4", "--no-peer", "--out", str(out), *more]
+
+
+def test_bench_writes_json_table_and_checks_every_row(tiny_model, tmp_path, capsys):
+    code, out, err = run_cli(bench_argv(tiny_model, tmp_path, "--depths", "40", "--formats", "fp16,k8v4",
+                                        "--streamed-formats", "k8v4"), capsys)
+    assert code == 0, err
+    result = json.loads((tmp_path / "bench.json").read_text())
+    rows = result["rows"]
+    assert [(r["fmt"], r["mode"].split()[0]) for r in rows] == [("fp16", "resident"), ("k8v4", "resident"),
+                                                                 ("k8v4", "streamed")]
+    for r in rows:
+        assert len(r["prefill_runs"]) == len(r["decode_runs"]) == 2 and r["decode_tok_s"] > 0
+        assert r["check"]["tokens"] == 7 and not r["check"]["broken"]  # the prefill's pick, 2 warm-up, 4 timed
+        assert len(r["tokens"]) == 7
+    assert rows[2]["hit_rate"] is not None and rows[0]["hit_rate"] is None
+    md = (tmp_path / "bench.md").read_text()
+    assert "| configuration | depth |" in md and "strata-nb bench --model" in md and "ok: " in md
+
+
+def test_append_adds_rows(tiny_model, tmp_path, capsys):
+    assert run_cli(bench_argv(tiny_model, tmp_path, "--depths", "40", "--formats", "fp16", "--streamed-formats", ""), capsys)[0] == 0
+    assert run_cli(bench_argv(tiny_model, tmp_path, "--depths", "40", "--formats", "int8", "--streamed-formats", "",
+                              "--check-tokens", "0", "--append"), capsys)[0] == 0
+    result = json.loads((tmp_path / "bench.json").read_text())
+    assert [r["fmt"] for r in result["rows"]] == ["fp16", "int8"]
+    assert result["rows"][1]["check"] is None and "; then: " in result["command"]
+    assert "not checked" in (tmp_path / "bench.md").read_text()
+
+
+def test_check_marks_a_far_token_broken():
+    logits = np.zeros((3, 10), np.float32)
+    logits[:, 4] = 5.0  # numpy's pick is 4 everywhere
+    logits[:, 7] = 5.0 - GAP_TOL / 2  # a near tie
+    ok = check_tokens(logits, [4, 7, 4])
+    assert (ok.exact, ok.broken) == (2, False) and ok.max_gap == pytest.approx(GAP_TOL / 2)
+    bad = check_tokens(logits, [4, 4, 2])  # token 2 is 5 logits below the top
+    assert bad.broken and bad.max_gap == pytest.approx(5.0)
+
+
+def test_a_broken_row_cannot_look_like_a_win():
+    row = dict(fmt="k8v4", mode="resident", depth=1024, prefill_tok_s=9e9, decode_tok_s=9e9, kv_bytes=0,
+               bytes_per_token=0, gb_s=0.0, hit_rate=None, graph=True,
+               check=dict(tokens=32, exact=3, max_gap=7.5, broken=True))
+    md = table({"rows": [row], "copy_gb_s": None})
+    assert "~~k8v4 resident~~" in md and "**BROKEN**" in md
+
+
+@pytest.mark.parametrize("more, message", [
+    (["--formats", "bogus"], "--formats takes formats from"),
+    (["--depths", "x"], "--depths takes comma-separated token counts"),
+    (["--depths", "600"], "do not fit --max-context 512"),
+    (["--runs", "0"], "--runs and --decode-tokens must be >= 1"),
+    (["--append"], "--append needs a readable bench.json"),
+    (["--max-context", "256"], "streamed rows need --max-context above the minimum resident size"),
+])
+def test_bad_input_is_one_line_and_exit_2(more, message, tiny_model, tmp_path, capsys):
+    argv = bench_argv(tiny_model, tmp_path / "empty", "--formats", "fp16", "--check-tokens", "0")
+    argv += ["--depths", "40"] if "--depths" not in more else []
+    code, out, err = run_cli(argv + more, capsys)
+    assert code == 2 and message in err and err.count("\n") == 1, err
