@@ -1,7 +1,10 @@
 """numpy backend vs cuda backend on a GPU: greedy tokens and logits, every format, resident
 and streamed, on a random-weight model with the default model's layer shapes.
 
-    STRATA_NB_GPU=1 python tools/gpu_parity.py [n_tokens]
+    STRATA_NB_GPU=1 python tools/gpu_parity.py [n_tokens] [model.gguf]
+
+With a GGUF path it runs that model (the default model, say) on 700 tokens of the bundled
+document instead.
 
 Prints one row per configuration: the first step's max |logit difference| and how many of
 the greedy tokens agree before the first difference (with the top-2 margin there, so a
@@ -24,21 +27,39 @@ from strata_nb.settings import Settings
 
 
 def greedy(eng, ids, n):
-    logits = eng.prefill(ids)
-    first, out, margins = logits.copy(), [], []
-    for i in range(n):
+    """n greedy tokens the way the engine decodes them (the cuda backend's resident, dense
+    steps replay a CUDA graph), and the top-2 margin of the logits each was picked from."""
+    def margin(logits):
         top2 = np.sort(logits)[-2:]
-        margins.append(float(top2[1] - top2[0]))
-        out.append(int(np.argmax(logits)))
-        logits = eng.decode_one_token(out[-1], len(ids) + i)
+        return float(top2[1] - top2[0])
+
+    logits = eng.prefill(ids)
+    first, out, margins = logits.copy(), [int(np.argmax(logits))], [margin(logits)]
+    step = eng.device_step()
+    for i in range(n - 1):
+        if step is None:
+            logits = eng.decode_one_token(out[-1], len(ids) + i)
+            out.append(int(np.argmax(logits)))
+        else:
+            out.append(step.run(out[-1], len(ids) + i))
+            logits = step.logits_on_host()
+        margins.append(margin(logits))
     return first, out, margins
 
 
-def main(n_tokens: int = 64):
-    path = write_synthetic_gguf(tempfile.mkdtemp() + "/shapes.gguf", n_layers=30, d_model=576, d_ff=1536,
-                                n_heads=9, n_kv_heads=3, context=4096, seed=1)
+def main(n_tokens: int = 64, path: str | None = None):
+    synthetic = path is None
+    if synthetic:
+        path = write_synthetic_gguf(tempfile.mkdtemp() + "/shapes.gguf", n_layers=30, d_model=576, d_ff=1536,
+                                    n_heads=9, n_kv_heads=3, context=4096, seed=1)
+        ids = [int(i) for i in np.random.default_rng(0).integers(3, 200, size=700)]
     model = GGUFModel(path)
-    ids = list(np.random.default_rng(0).integers(3, 200, size=700))
+    if not synthetic:
+        from importlib import resources
+
+        from strata_nb.text.tokenizer import Tokenizer
+        text = resources.files("strata_nb.data").joinpath("default_document.txt").read_text()
+        ids = Tokenizer(model).encode(text)[:700]
     print(f"{'config':<22} {'max|dlogit|':>11} {'agree':>7} {'margin at split':>15} {'cuda tok/s':>10}")
     for fmt in ("fp16", "int8", "q4_0", "k8v4"):
         for resident in (0, 96 + 64):
@@ -56,4 +77,4 @@ def main(n_tokens: int = 64):
 
 
 if __name__ == "__main__":
-    main(*(int(a) for a in sys.argv[1:]))
+    main(*(int(a) if a.isdigit() else a for a in sys.argv[1:]))
