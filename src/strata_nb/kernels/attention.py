@@ -37,8 +37,8 @@ import numpy as np
 from numba import config, cuda, float32
 
 from strata_nb.kernels.launch import DeviceArgs, device_empty, expect, expect_pool, host_or_absent, stream, view_bytes
-from strata_nb.kernels.quant_int8 import dequantize_int8_at, dequantize_int8_ref
-from strata_nb.kernels.quant_q4_0 import dequantize_q4_0_at, dequantize_q4_0_ref
+from strata_nb.kernels.quant_int8 import dequantize_int8_column, dequantize_int8_ref
+from strata_nb.kernels.quant_q4_0 import dequantize_q4_0_column, dequantize_q4_0_ref
 from strata_nb.kv.formats import BLOCK, FORMATS, check_format, pool_arrays
 
 ATOL = 2e-5
@@ -51,7 +51,10 @@ SIDES = {"fp32": ("float", "float"), "fp16": ("float", "float"), "int8": ("int8"
 NEG_INF = np.float32(-np.inf)
 MAX_HEAD_DIM = 128  # shared tiles are sized at compile time: 2 x 16 x 128 floats = 16 KiB
 K_STRIDE = MAX_HEAD_DIM + 1  # the K tile's row stride: row c starts c banks further on
-BLOCKS_PER_SPLIT = 4  # selected blocks (64 cells) per thread block: 8K context = 128 splits
+# Selected blocks (64 cells) per thread block: 8K context = 128 splits on a GPU. Under the
+# simulator every thread is a Python thread, so one split covers up to 64 blocks there;
+# tests pass per_split=1 to exercise many splits.
+BLOCKS_PER_SPLIT = 64 if config.ENABLE_CUDASIM else 4
 MAX_COMBINE_GROUPS = 4  # thread rows of the combine kernel, each summing every 4th split
 # Under the simulator every thread is a Python thread: one row there (tests pass 4 to cover it)
 COMBINE_GROUPS = 1 if config.ENABLE_CUDASIM else MAX_COMBINE_GROUPS
@@ -137,15 +140,18 @@ def attend_ref(fmt, q, q_pos, blocks, page_table, pool, host):
 
 
 # --8<-- [start:attention_readers]
-# How the kernel reads value j of one cell's row, for each way a side is stored. All take
-# (row_a, row_b, j), so one kernel body serves every format: (values, unused),
-# (int8 codes, fp16 scales) or (q4_0 bytes, the same bytes as float16).
+# How the kernel reads value j of the 16 rows of block (or slot) r, KV head h, for each
+# way a side is stored. All take (array_a, array_b, r, h, j, out), so one kernel body
+# serves every format: (values, unused), (int8 codes, fp16 scales) or (q4_0 bytes, the
+# same bytes as float16). One call loads all 16 values into registers, with no store
+# to memory in between, so the loads are in flight together.
 @cuda.jit(device=True)
-def read_float_at(values, unused, j):
-    return float32(values[j])
+def read_float_column(values, unused, r, h, j, out):
+    for c in range(out.shape[0]):
+        out[c] = float32(values[r, h, c, j])
 
 
-READERS = {"float": read_float_at, "int8": dequantize_int8_at, "q4_0": dequantize_q4_0_at}
+READERS = {"float": read_float_column, "int8": dequantize_int8_column, "q4_0": dequantize_q4_0_column}
 # --8<-- [end:attention_readers]
 
 
@@ -202,9 +208,8 @@ def make_attention_kernel(read_k, read_v):
             # scores are masked below and their V is never weighted. Loads into registers
             # first, with no store between them, so the 32 loads are in flight together
             # (a store to shared memory could alias a load, so it would wait for each).
-            for c in range(BLOCK):
-                k_vals[c] = read_k(ka[r, kv_h, c], kb[r, kv_h, c], t)
-                v_vals[c] = read_v(va[r, kv_h, c], vb[r, kv_h, c], t)
+            read_k(ka, kb, r, kv_h, t, k_vals)
+            read_v(va, vb, r, kv_h, t, v_vals)
             for c in range(BLOCK):
                 k_tile[c, t] = k_vals[c]
                 v_tile[c, t] = v_vals[c]

@@ -106,9 +106,12 @@ def dequantize_int8_row(codes,   # (head_dim,) int8: one head row
 
 
 @cuda.jit(device=True)
-def dequantize_int8_at(codes, scales, j):
-    """Value j of one head row (dequantize_int8_row's, one value at a time)."""
-    return float32(codes[j]) * float32(scales[j // INT8_GROUP])
+def dequantize_int8_column(codes,   # (n, n_kv, 16, head_dim) int8: a pool or host copy
+                           scales,  # (n, n_kv, 16, head_dim // 64) float16
+                           r, h, j,  # block (or slot) r, head h, value j of each row
+                           out):    # (16,) float32, written: value j of the 16 cells
+    for c in range(out.shape[0]):  # loads only, no stores to shared or global between them
+        out[c] = float32(codes[r, h, c, j]) * float32(scales[r, h, c, j // INT8_GROUP])
 # --8<-- [end:quantize_int8_device]
 
 

@@ -122,13 +122,18 @@ def dequantize_q4_0_row(q4,    # (head_dim // 32 * 18,) uint8: one head row
 
 
 @cuda.jit(device=True)
-def dequantize_q4_0_at(q4, q4_d, j):
-    """Value j of one head row (dequantize_q4_0_row's, one value at a time): the low
-    nibble of byte j % 16 of its group for the first half, the high nibble for the second."""
+def dequantize_q4_0_column(q4,    # (n, n_kv, 16, head_dim // 32 * 18) uint8: a pool or host copy
+                           q4_d,  # the same bytes as float16
+                           r, h, j,  # block (or slot) r, head h, value j of each row
+                           out):  # (16,) float32, written: value j of the 16 cells
+    # value j is the low nibble of byte j % 16 of its group in the first half of the
+    # group, the high nibble in the second
     g, w = j // Q4_GROUP, j % Q4_GROUP
-    byte = q4[g * Q4_BYTES + 2 + w % HALF]
-    nibble = byte & 0x0F if w < HALF else byte >> 4
-    return (float32(nibble) - float32(8.0)) * float32(q4_d[g * D_STRIDE])
+    at, high = g * Q4_BYTES + 2 + w % HALF, w >= HALF
+    for c in range(out.shape[0]):
+        byte = q4[r, h, c, at]
+        nibble = byte >> 4 if high else byte & 0x0F
+        out[c] = (float32(nibble) - float32(8.0)) * float32(q4_d[r, h, c, g * D_STRIDE])
 # --8<-- [end:quantize_q4_0_device]
 
 
