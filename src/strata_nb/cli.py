@@ -104,12 +104,12 @@ def info(model, kv, max_context, as_json):
     """Print the model's facts and the KV format's sizes."""
     from .model.fetch import ensure_default_model
     from .model.gguf_file import GGUFModel
-    from .kv.formats import BLOCK, cell_bytes, kv_block_bytes, runs_of
+    from .kv.formats import BLOCK, cell_bytes, kv_block_bytes, runs_of, token_bytes
 
     m = GGUFModel(model or ensure_default_model())
     c = m.config
     ctx = max_context or c.context_length
-    per_token = cell_bytes(kv, c.n_kv_heads, c.head_dim) * c.n_layers
+    per_token = token_bytes(kv, c)
     facts = {
         "path": str(m.path), "name": c.name, "architecture": "llama",
         "n_layers": c.n_layers, "d_model": c.d_model, "d_ff": c.d_ff, "n_heads": c.n_heads,
@@ -242,18 +242,9 @@ def bench(model, formats, streamed_formats, depths, runs, decode_tokens, check_t
     if runs < 1 or decode_tokens < 1 or check_tokens < 0:
         raise StrataError("--runs and --decode-tokens must be >= 1, --check-tokens >= 0")
     eng = load_engine(model=model, device=device, graph=graph, max_context=max_context)
-    if min(depth_list) + decode_tokens + 3 > eng.settings.max_context:
-        raise StrataError(f"depth {min(depth_list)} + {decode_tokens} decode tokens do not fit "
-                          f"--max-context {eng.settings.max_context}")
-    from .kv.cache import StreamPlan
-
-    minimum = StreamPlan.minimum_cells(eng.settings.kv_window)
-    if streamed and eng.kv.n_blocks * 16 <= minimum:
-        raise StrataError(f"streamed rows need --max-context above the minimum resident size ({minimum} cells); "
-                          "raise it or pass --streamed-formats ''")
     text = resources.files("strata_nb.data").joinpath("default_document.txt").read_text()
-    result = run_bench(eng, text, fmts, streamed, depth_list, runs, decode_tokens,
-                       min(check_tokens, decode_tokens + 3), peer, profile, lambda m: click.echo(m, err=True))
+    result = run_bench(eng, text, fmts, streamed, depth_list, runs, decode_tokens, check_tokens, peer, profile,
+                       lambda m: click.echo(m, err=True))
     result |= {"model": eng.config.name or str(eng.model.path), "device": _device_name(eng.be),
                "command": "strata-nb " + shlex.join(_ARGV)}
     if earlier is not None:

@@ -6,13 +6,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
-from numba import cuda
+from numba import cuda, float32
 
 from strata_nb.kernels.hadamard import hadamard, hadamard_ref
-from strata_nb.kernels.quant_int8 import (F16_MAX, dequantize_int8_ref, dequantize_int8_row,
+from strata_nb.kernels.quant_int8 import (F16_MAX, dequantize_int8_column, dequantize_int8_ref,
                                           quantize_int8, quantize_int8_ref, sanitize_ref)
-from strata_nb.kernels.quant_q4_0 import (dequantize_q4_0_ref, dequantize_q4_0_row, quantize_q4_0,
+from strata_nb.kernels.quant_q4_0 import (dequantize_q4_0_column, dequantize_q4_0_ref, quantize_q4_0,
                                           quantize_q4_0_ref)
+from strata_nb.kv.formats import BLOCK
 
 Q4_0 = gguf.GGMLQuantizationType.Q4_0
 
@@ -85,19 +86,24 @@ def test_q4_0_kernel_matches_ref_byte_for_byte():
 
 
 @cuda.jit
-def unpack_rows(codes, scales, q4, q4_d, int8_out, q4_out):
-    r = cuda.grid(1)
-    if r < codes.shape[0]:
-        dequantize_int8_row(codes[r], scales[r], int8_out[r])
-        dequantize_q4_0_row(q4[r], q4_d[r], q4_out[r])
+def unpack_columns(codes, scales, q4, q4_d, int8_out, q4_out):
+    # one thread per (block, head, value j): value j of the block's 16 rows, as attention reads
+    r, h, j = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x
+    column = cuda.local.array(BLOCK, float32)
+    dequantize_int8_column(codes, scales, r, h, j, column)
+    for c in range(BLOCK):
+        int8_out[r, h, c, j] = column[c]
+    dequantize_q4_0_column(q4, q4_d, r, h, j, column)
+    for c in range(BLOCK):
+        q4_out[r, h, c, j] = column[c]
 
 
 def test_device_dequantizers_match_refs_exactly():
-    x = awkward_rows(4, 8, 64)
+    x = awkward_rows(4, 2 * 1 * BLOCK, 64).reshape(2, 1, BLOCK, 64)  # a pool: 2 blocks, 1 KV head
     codes, scales = quantize_int8_ref(x)
     q4 = quantize_q4_0_ref(x)
     int8_out, q4_out = np.zeros_like(x), np.zeros_like(x)
-    unpack_rows[1, 8](codes, scales, q4, q4.view(np.float16), int8_out, q4_out)
+    unpack_columns[(2, 1), 64](codes, scales, q4, q4.view(np.float16), int8_out, q4_out)
     assert int8_out.tobytes() == dequantize_int8_ref(codes, scales).tobytes()
     assert q4_out.tobytes() == dequantize_q4_0_ref(q4).tobytes()
 

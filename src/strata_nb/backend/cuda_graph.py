@@ -47,13 +47,7 @@ class StepGraph:
                 self.result = launch_step()
         finally:
             graph = _check(cu.cuStreamEndCapture(self._handle))
-        self._graph = graph
-        self.n_nodes = self._count_nodes(graph)  # one per captured launch
         self._exec = _check(cu.cuGraphInstantiate(graph, 0))
-
-    def _count_nodes(self, graph) -> int:
-        _, count = _check(self._cu.cuGraphGetNodes(graph, 0))
-        return int(count)
 
     def replay(self):
         _check(self._cu.cuGraphLaunch(self._exec, self._handle))

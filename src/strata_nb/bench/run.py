@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from ..errors import StrataError
 from ..kv.cache import StreamPlan
-from ..kv.formats import cell_bytes
+from ..kv.formats import BLOCK, token_bytes
 from ..settings import SamplingSettings
+from .profile import STEPS, profile_decode
 
 WARMUP = 2  # untimed decode steps per run: kernel compilation, graph capture
 QSA_BUDGET = 1024  # the streamed mode's block-selection budget, in cells
@@ -57,7 +58,6 @@ class Row:
     hit_rate: float | None  # streamed: VRAM hits / block lookups
     tokens: list[int]  # the first greedy tokens (the prefill's pick first)
     check: dict | None = None
-    extra: dict = field(default_factory=dict)
 
 
 def weight_bytes(weights) -> int:
@@ -73,53 +73,48 @@ def weight_bytes(weights) -> int:
 
 def kv_bytes_read(eng, depth: int) -> int:
     """K/V bytes one decode step at `depth` reads: every cell, or the QSA budget."""
-    cfg = eng.config
     cells = depth if eng.settings.qsa_budget == 0 else min(depth, eng.settings.qsa_budget)
-    return cells * cell_bytes(eng.settings.kv, cfg.n_kv_heads, cfg.head_dim) * cfg.n_layers
+    return cells * token_bytes(eng.settings.kv, eng.config)
 
 
 # --8<-- [start:bench_one]
+GREEDY = SamplingSettings()
+
+
+def decode(eng, step, tokens: list[int], pos: int, n: int) -> int:
+    """Append n greedy tokens to `tokens`, the first decoded at `pos`; returns the next pos."""
+    for _ in range(n):
+        tokens.append(eng.next_token(tokens[-1], pos, GREEDY, None, step))
+        pos += 1
+    return pos
+
+
 def run_config(base, cfg: Config, prompt: list[int], runs: int, n_decode: int) -> Row:
-    greedy = SamplingSettings(max_tokens=n_decode + WARMUP + 1)
-    prefill_rates, decode_rates, tokens, hit_rate, graph = [], [], None, None, False
-    warm = base.derive(**cfg.settings(base.settings.kv_window))  # compile this format's kernels, untimed
-    if cfg.streamed and not warm.kv.streamed:
-        raise StrataError(f"streamed rows need --max-context above the minimum resident size "
-                          f"({StreamPlan.minimum_cells(base.settings.kv_window)} cells); "
-                          "raise it or pass --streamed-formats ''")
+    changes = cfg.settings(base.settings.kv_window)
+    warm = base.derive(**changes)  # compile this format's kernels, untimed
     short = prompt[: base.settings.prefill_chunk + 1]  # a full chunk (tiled matmul) and a short one
-    step = warm.device_step()
-    token, pos = int(np.argmax(warm.prefill(short))), len(short)
-    for i in range(WARMUP):
-        token = warm.next_token(token, pos + i, greedy, None, step)
+    decode(warm, warm.device_step(), [int(np.argmax(warm.prefill(short)))], len(short), WARMUP)
+    prefill_rates, decode_rates, tokens = [], [], None
     for _ in range(runs):
-        eng = base.derive(**cfg.settings(base.settings.kv_window))
+        eng = base.derive(**changes)
         t0 = time.perf_counter()
         logits = eng.prefill(prompt)  # returns host logits: the prefill has finished
         prefill_rates.append(len(prompt) / (time.perf_counter() - t0))
         step = eng.device_step()
-        graph = bool(step is not None and step.use_graph)
-        run_tokens, pos = [int(np.argmax(logits))], len(prompt)
-        for _ in range(WARMUP):
-            run_tokens.append(eng.next_token(run_tokens[-1], pos, greedy, None, step))
-            pos += 1
+        run_tokens = [int(np.argmax(logits))]
+        pos = decode(eng, step, run_tokens, len(prompt), WARMUP)
         t0 = time.perf_counter()
-        for _ in range(n_decode):
-            run_tokens.append(eng.next_token(run_tokens[-1], pos, greedy, None, step))
-            pos += 1
+        decode(eng, step, run_tokens, pos, n_decode)
         decode_rates.append(n_decode / (time.perf_counter() - t0))
         if tokens is None:
             tokens = run_tokens
         elif run_tokens != tokens:  # the same prompt must give the same tokens every run
             raise RuntimeError(f"{cfg}: run tokens differ from the first run's: nondeterministic decode")
-        if eng.kv.streamed:
-            hit_rate = eng.kv.counters.hit_rate
-    decode = statistics.median(decode_rates)
+    rate = statistics.median(decode_rates)
     per_token = weight_bytes(base.weights) + kv_bytes_read(eng, cfg.depth)
-    cfg_model = base.config
-    kv_total = cfg.depth * cell_bytes(cfg.fmt, cfg_model.n_kv_heads, cfg_model.head_dim) * cfg_model.n_layers
-    return Row(cfg.fmt, cfg.mode, cfg.depth, statistics.median(prefill_rates), decode, prefill_rates,
-               decode_rates, graph, kv_total, per_token, per_token * decode / 1e9, hit_rate, tokens)
+    return Row(cfg.fmt, cfg.mode, cfg.depth, statistics.median(prefill_rates), rate, prefill_rates, decode_rates,
+               bool(step is not None and step.use_graph), cfg.depth * token_bytes(cfg.fmt, base.config), per_token,
+               per_token * rate / 1e9, eng.kv.counters.hit_rate if eng.kv.streamed else None, tokens)
 # --8<-- [end:bench_one]
 
 
@@ -159,6 +154,13 @@ def bench(base, text: str, formats: list[str], streamed_formats: list[str], dept
     from . import peer as peers
 
     ctx = base.settings.max_context
+    if min(depths) + n_decode + WARMUP + 1 > ctx:
+        raise StrataError(f"depth {min(depths)} + {n_decode} decode tokens do not fit --max-context {ctx}")
+    minimum = StreamPlan.minimum_cells(base.settings.kv_window)
+    if streamed_formats and base.kv.n_blocks * BLOCK <= minimum:
+        raise StrataError(f"streamed rows need --max-context above the minimum resident size ({minimum} cells); "
+                          "raise it or pass --streamed-formats ''")
+    check_n = min(check_n, n_decode + WARMUP + 1)  # the tokens a run has
     result = {"rows": [], "peer": [], "runs": runs, "decode_tokens": n_decode,
               "copy_gb_s": copy_bandwidth(base.be)}
     if result["copy_gb_s"]:
@@ -181,14 +183,10 @@ def bench(base, text: str, formats: list[str], streamed_formats: list[str], dept
             result["rows"].append(row.__dict__)
     if peer:
         result["peer"] = peers.peer_rows(base.config, measured_depths, runs, n_decode, log)
-    from .profile import STEPS
-
     if profile and base.be.name == "cuda":
         fmt = "k8v4" if "k8v4" in formats or not formats else formats[0]
         depth = measured_depths[-1] - 4 * STEPS  # room for the profiled steps
         try:
-            from .profile import profile_decode
-
             eng = base.derive(kv=fmt, kv_resident=0, qsa_budget=0)
             result["profile"] = profile_decode(eng, prompt_of(base, text, depth)) | {"config": f"{fmt} resident at {depth}"}
         except ImportError:

@@ -42,7 +42,7 @@ class DeviceStep:
         self.picks = greedy or self.draw is not None  # is run()'s token the one to use?
         self.token = be.asarray(np.zeros(1, np.int32))
         self.pos = be.asarray(np.zeros(1, np.int32))
-        self.chosen = be.host_array((1,), np.int32)  # mapped: the greedy pick, read by the host
+        self.chosen = be.host_array((1,), np.int32)  # mapped: the step's pick, read by the host
         self.use_graph = use_graph and gpu_present()
         self.graph = None  # captured on the second step: the first compiles every kernel
         self.logits = None  # (1, vocab) device array the step writes
@@ -70,15 +70,13 @@ class DeviceStep:
         if self._next != (token, pos):  # a sampled token, or the first step: write the inputs
             self.be.copy_into(self.token, np.array([token], np.int32))
             self.be.copy_into(self.pos, np.array([pos], np.int32))
-        if self.graph is not None:
-            self.graph.replay()
-            self.graph.synchronize()
-        elif self.use_graph and self.logits is not None:
+        if self.graph is None and self.use_graph and self.logits is not None:
             from ..backend.cuda_graph import StepGraph
 
             self.be.synchronize()
-            self.graph = StepGraph(self.launch)
+            self.graph = StepGraph(self.launch)  # records the launches; runs nothing
             self.logits = self.graph.result
+        if self.graph is not None:
             self.graph.replay()
             self.graph.synchronize()
         else:

@@ -97,20 +97,12 @@ def quantize_int8_group(x,       # (head_dim,) float32: one head row
 
 
 @cuda.jit(device=True)
-def dequantize_int8_row(codes,   # (head_dim,) int8: one head row
-                        scales,  # (head_dim // 64,) float16
-                        out):    # (>= head_dim,) float32, written
-    for j in range(codes.shape[0]):
-        # A 7-bit code times an 11-bit fp16 significand fits float32's 24 bits: exact.
-        out[j] = float32(codes[j]) * float32(scales[j // INT8_GROUP])
-
-
-@cuda.jit(device=True)
 def dequantize_int8_column(codes,   # (n, n_kv, 16, head_dim) int8: a pool or host copy
                            scales,  # (n, n_kv, 16, head_dim // 64) float16
                            r, h, j,  # block (or slot) r, head h, value j of each row
                            out):    # (16,) float32, written: value j of the 16 cells
     for c in range(out.shape[0]):  # loads only, no stores to shared or global between them
+        # A 7-bit code times an 11-bit fp16 significand fits float32's 24 bits: exact.
         out[c] = float32(codes[r, h, c, j]) * float32(scales[r, h, c, j // INT8_GROUP])
 # --8<-- [end:quantize_int8_device]
 

@@ -109,19 +109,6 @@ def quantize_q4_0_group(x,     # (head_dim,) float32: one head row
 
 
 @cuda.jit(device=True)
-def dequantize_q4_0_row(q4,    # (head_dim // 32 * 18,) uint8: one head row
-                        q4_d,  # (head_dim // 32 * 9,) float16: the same bytes
-                        out):  # (>= head_dim,) float32, written
-    for g in range(q4.shape[0] // Q4_BYTES):
-        d = float32(q4_d[g * D_STRIDE])
-        for j in range(HALF):
-            byte = q4[g * Q4_BYTES + 2 + j]
-            # Subtract in float32 (exact for 0..15): a uint8 minus 8 would wrap around.
-            out[g * Q4_GROUP + j] = (float32(byte & 0x0F) - float32(8.0)) * d
-            out[g * Q4_GROUP + j + HALF] = (float32(byte >> 4) - float32(8.0)) * d
-
-
-@cuda.jit(device=True)
 def dequantize_q4_0_column(q4,    # (n, n_kv, 16, head_dim // 32 * 18) uint8: a pool or host copy
                            q4_d,  # the same bytes as float16
                            r, h, j,  # block (or slot) r, head h, value j of each row
@@ -133,6 +120,7 @@ def dequantize_q4_0_column(q4,    # (n, n_kv, 16, head_dim // 32 * 18) uint8: a 
     for c in range(out.shape[0]):
         byte = q4[r, h, c, at]
         nibble = byte >> 4 if high else byte & 0x0F
+        # Subtract in float32 (exact for 0..15): a uint8 minus 8 would wrap around.
         out[c] = (float32(nibble) - float32(8.0)) * float32(q4_d[r, h, c, g * D_STRIDE])
 # --8<-- [end:quantize_q4_0_device]
 

@@ -75,8 +75,20 @@ def sample_top_p_ref(logits,       # (vocab,) float32
 
 # --8<-- [start:sample_top_p_kernel]
 @cuda.jit(device=True)
-def exp32(x):
-    return float32(math.exp(x))
+def weight(logits, i, top, inv_temperature):
+    """w_i of step 1, recomputed where it is needed (the same bits every time)."""
+    return float32(math.exp((logits[i] - top) * inv_temperature))
+
+
+@cuda.jit(device=True)
+def kept_in(logits, first, last, top, inv_temperature, threshold):
+    """The weights >= threshold among tokens [first, last), summed."""
+    kept = float32(0.0)
+    for i in range(first, last):
+        w = weight(logits, i, top, inv_temperature)
+        if w >= threshold:
+            kept += w
+    return kept
 
 
 @cuda.jit(device=True)
@@ -92,7 +104,7 @@ def uniform(seed, counter):
 @cuda.jit
 def sample_top_p_kernel(logits, inv_temperature, top_p, seed, counter, out):  # as sample_top_p_ref
     # One block. Thread t owns the chunk [t * chunk, (t + 1) * chunk) of the vocabulary:
-    # strided for the sums (any order will do), contiguous for the walk in step 4.
+    # contiguous, so the walk in step 4 can skip whole chunks in vocabulary order.
     t, n = cuda.threadIdx.x, cuda.blockDim.x
     vocab = logits.shape[0]
     chunk = (vocab + n - 1) // n
@@ -103,29 +115,17 @@ def sample_top_p_kernel(logits, inv_temperature, top_p, seed, counter, out):  # 
     for i in range(first, last):
         top = max(top, logits[i])
     top = block_max(top)
-    total = float32(0.0)
-    for i in range(first, last):
-        total += exp32((logits[i] - top) * inv_temperature)
-    target = top_p * block_sum(total)
+    target = top_p * block_sum(kept_in(logits, first, last, top, inv_temperature, float32(0.0)))
 
     lo, hi = float32(0.0), float32(1.0)
     for _ in range(BISECT):  # every thread takes the same branch: block_sum returns one total
         mid = (lo + hi) * float32(0.5)
-        kept = float32(0.0)
-        for i in range(first, last):
-            w = exp32((logits[i] - top) * inv_temperature)
-            if w >= mid:
-                kept += w
-        if block_sum(kept) >= target:
+        if block_sum(kept_in(logits, first, last, top, inv_temperature, mid)) >= target:
             lo = mid
         else:
             hi = mid
 
-    kept = float32(0.0)
-    for i in range(first, last):
-        w = exp32((logits[i] - top) * inv_temperature)
-        if w >= lo:
-            kept += w
+    kept = kept_in(logits, first, last, top, inv_temperature, lo)
     partial[t] = kept
     mass = block_sum(kept)  # its barrier also publishes partial[]
     if t == 0:
@@ -134,7 +134,7 @@ def sample_top_p_kernel(logits, inv_temperature, top_p, seed, counter, out):  # 
         for s in range(n):
             if running + partial[s] > goal:  # the goal falls in thread s's chunk: walk it
                 for i in range(min(s * chunk, vocab), min((s + 1) * chunk, vocab)):
-                    w = exp32((logits[i] - top) * inv_temperature)
+                    w = weight(logits, i, top, inv_temperature)
                     if w >= lo:
                         pick = i
                         running += w
@@ -144,7 +144,7 @@ def sample_top_p_kernel(logits, inv_temperature, top_p, seed, counter, out):  # 
             running += partial[s]
         if pick < 0:  # u * mass rounded up to the total: the last kept token
             for i in range(vocab - 1, -1, -1):
-                if exp32((logits[i] - top) * inv_temperature) >= lo:
+                if weight(logits, i, top, inv_temperature) >= lo:
                     pick = i
                     break
         out[0] = pick

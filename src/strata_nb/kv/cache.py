@@ -92,7 +92,8 @@ class KVCache:
              for f, a in self.layers[0].pool.items()}, identity, None)
         # a decode step replayed from a graph cannot be handed a new block list: it lists
         # every block, and attention skips those after the query (resident, dense only)
-        self.every_block = be.asarray(np.arange(self.n_blocks, dtype=np.int32).reshape(1, self.n_blocks))
+        self.every_block = (be.asarray(np.arange(self.n_blocks, dtype=np.int32).reshape(1, self.n_blocks))
+                            if self.positions_on_device else None)
         self.counters = StreamCounters()
         self._hadamard = be.op("hadamard")
         self._attention = be.op("attention")

@@ -70,6 +70,11 @@ def cell_bytes(fmt: str, n_kv_heads: int, head_dim: int) -> int:
     return kv_block_bytes(fmt, n_kv_heads, head_dim) // BLOCK
 
 
+def token_bytes(fmt: str, cfg) -> int:
+    """Bytes one token occupies in the cache: a cell in every layer of model `cfg`."""
+    return cell_bytes(fmt, cfg.n_kv_heads, cfg.head_dim) * cfg.n_layers
+
+
 def check_format(fmt: str, allowed=USER_FORMATS) -> str:
     if fmt not in allowed:
         raise ValueError(f"unknown KV format {fmt!r}; choose one of {', '.join(allowed)}")
