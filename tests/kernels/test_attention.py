@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from numba import config, cuda
 
-from strata_nb.kernels.attention import ATOL, RTOL, attention, attention_ref
+from strata_nb.kernels.attention import ATOL, RTOL, attention, attention_ref, tile_for
 from strata_nb.kernels.kv_append_fp16 import kv_append_fp16_ref
 from strata_nb.kernels.kv_append_k8v4 import kv_append_k8v4_ref
 from strata_nb.kernels.kv_append_q4 import kv_append_q4_ref
@@ -13,6 +13,7 @@ from strata_nb.kernels.kv_append_q8 import kv_append_q8_ref
 from strata_nb.kernels.quant_int8 import dequantize_int8_ref
 from strata_nb.kernels.quant_q4_0 import dequantize_q4_0_ref
 from strata_nb.kv.formats import BLOCK, FORMATS, pool_arrays
+from strata_nb.kv.select import all_blocks_upto
 
 # The simulator runs every CUDA thread as a Python thread: 6 query heads on 3 KV heads
 # there (still GQA), the default model's 9 on 3 on a GPU.
@@ -91,6 +92,29 @@ def test_kernel_matches_ref_one_block_per_split(fmt, n_queries):
     args = (fmt, *queries(n_queries), PAGE_TABLE, pool, host)
     got = run(lambda *a: attention(*a, per_split=1), *args)
     np.testing.assert_allclose(got, run(attention_ref, *args), atol=ATOL, rtol=RTOL)
+
+
+def test_prompt_chunk_in_tiles():
+    """A prompt chunk's selection (all_blocks_upto: each query its blocks so far, -1 after):
+    several queries share each thread block, the last tile partly filled, over several
+    splits merged by several combine rows."""
+    q_pos = np.arange(WRITTEN - 13, WRITTEN, dtype=np.int32)  # 78..90: blocks 4 and 5
+    blocks = all_blocks_upto(q_pos)
+    assert tile_for(blocks, N_HEADS // N_KV, HEAD_DIM) == len(q_pos)
+    q = np.random.default_rng(3).standard_normal((len(q_pos), N_HEADS, HEAD_DIM), np.float32)
+    for fmt in ("fp16", "k8v4"):
+        pool, host = filled_cache(fmt, PAGE_TABLE, n_slots=4)
+        args = (fmt, q, q_pos, blocks, PAGE_TABLE, pool, host)
+        got = run(lambda *a: attention(*a, per_split=2, combine_groups=4, tile=5), *args)
+        np.testing.assert_allclose(got, run(attention_ref, *args), atol=ATOL, rtol=RTOL)
+
+
+def test_queries_that_disagree_get_a_block_each():
+    """Per-query selections (QSA, a verify window) that pick different blocks in one column
+    cannot share a thread block: tile_for falls back to 1."""
+    _, _, blocks = queries(3)
+    assert tile_for(blocks, N_HEADS // N_KV, HEAD_DIM) == 1
+    assert tile_for(all_blocks_upto(np.array([3, 40], np.int32)), N_HEADS // N_KV, HEAD_DIM) == 2
 
 
 def test_kernel_without_a_host_copy():

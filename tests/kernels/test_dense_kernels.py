@@ -15,7 +15,7 @@ from strata_nb.backend.numpy_backend import NumpyBackend
 from strata_nb.kernels.argmax import THREADS as ARGMAX_THREADS, argmax, argmax_ref
 from strata_nb.kernels.embed import embed, embed_ref
 from strata_nb.kernels.matmul import matmul, matmul_ref
-from strata_nb.kernels.matvec import dot_tolerance, matvec, matvec_ref
+from strata_nb.kernels.matvec import dot_tolerance, fused_tolerance, matvec, matvec_ref
 from strata_nb.kernels.reduce import warp_max, warp_sum
 from strata_nb.kernels.residual import residual, residual_ref
 from strata_nb.kernels.rmsnorm import rmsnorm, rmsnorm_ref, rmsnorm_tolerance
@@ -102,6 +102,19 @@ def test_matvec_matches_ref(qtype, n, shape):
     assert_within(got, want, dot_tolerance(x, dequantize(raw, qtype)))
 
 
+def test_matvec_warps_split_a_row():
+    """Several warps share each row's parts and meet in shared memory (one warp under the
+    simulator by default): 3 warps on 37 rows of 2 rows of x."""
+    rng = np.random.default_rng(12)
+    out, n_in = MATVEC_SHAPES[0]
+    raw = quantized(rng, "Q4_1", (out, n_in))
+    x = rng.standard_normal((2, n_in)).astype(np.float32)
+    want, got = np.zeros((2, out), np.float32), np.full((2, out), np.nan, np.float32)
+    matvec_ref(x, raw, "Q4_1", want)
+    matvec(x, raw, "Q4_1", got, warps=3)
+    assert_within(got, want, dot_tolerance(x, dequantize(raw, "Q4_1")))
+
+
 def test_matvec_tolerance_catches_one_zeroed_scale():
     """Negative control: zero the scale d of one block of one row; the kernel's output
     must leave the tolerance around the intact weights' reference."""
@@ -118,6 +131,36 @@ def test_matvec_tolerance_catches_one_zeroed_scale():
     assert not within(got, want, bound)
     keep = np.arange(out) != 5
     assert within(got[:, keep], want[:, keep], bound[:, keep])  # only row 5 moved
+
+
+# (prologue, epilogue) pairs the forward pass launches: rmsnorm before q|k|v, gate|up and
+# the head; swiglu before down with the residual add; the add after o.
+FUSED = [("norm", False), ("swiglu", True), (None, True)]
+
+
+@pytest.mark.parametrize("n", [1, 3] if ON_GPU else [2])
+@pytest.mark.parametrize("prologue, add", FUSED)
+def test_fused_matvec_matches_ref(prologue, add, n):
+    """The fused kernel against the references composed: rmsnorm_ref or swiglu_ref, then
+    the product, then the add; within dot_tolerance plus the prologue's own tolerance."""
+    rng = np.random.default_rng(11)
+    out, n_in = MATVEC_SHAPES[0]
+    raw = quantized(rng, "Q4_1", (out, n_in))
+    x = rng.standard_normal((n, 2 * n_in if prologue == "swiglu" else n_in)).astype(np.float32)
+    norm = (1 + 0.1 * rng.standard_normal(n_in)).astype(np.float32) if prologue == "norm" else None
+    start = rng.standard_normal((n, out)).astype(np.float32) if add else np.full((n, out), np.nan, np.float32)
+    want, got = start.copy(), start.copy()
+    kwargs = dict(norm=norm, eps=1e-5, swiglu=prologue == "swiglu", add=add)
+    matvec_ref(x, raw, "Q4_1", want, **kwargs)
+    matvec(x, raw, "Q4_1", got, **kwargs)
+    bound = fused_tolerance(x, dequantize(raw, "Q4_1"), norm, 1e-5, prologue == "swiglu")
+    if add:  # the add rounds once more on each side
+        bound = bound + 2 * 2.0 ** -24 * np.abs(want)
+    assert_within(got, want, bound)
+    if add:  # negative control: the same product stored, not added, leaves the bound
+        stored = start.copy()
+        matvec(x, raw, "Q4_1", stored, norm=norm, eps=1e-5, swiglu=prologue == "swiglu")
+        assert not within(stored, want, bound)
 
 
 @pytest.mark.parametrize("qtype, n, shape", MATMUL_CASES)

@@ -94,3 +94,25 @@ def test_host_absent_leaves_host_untouched_and_still_writes_the_pool(fmt):
         results.append(pool)
     assert_same_bytes(*results, "pool")
     assert results[1][fields[0]][1].tobytes() != pool0[fields[0]][1].tobytes()  # block 0 -> slot 1 written
+
+
+@pytest.mark.parametrize("fmt", ["int8", "q4_0"])
+def test_values_that_are_not_ordinary_byte_for_byte(fmt):
+    """The quantizing writers run their own device code (int8: a warp per group, its max
+    a warp_max): NaN, +-inf, values past fp16, tiny values, an all-zero head and exact
+    halves between codes give the reference's bytes. (fp16 stores NaN as it is, and a
+    GPU's NaN need not have NumPy's bits.)"""
+    rng = np.random.default_rng(9)
+    ref, kernel, fields = WRITERS[fmt]
+    k, v, positions = window(rng, 30, 3)
+    k[0, 0, :6] = [np.nan, np.inf, -np.inf, 1e30, -3e-39, 2.0 ** -125]
+    v[1, 0] = 0.0  # a whole head of zeros: scale 0, codes 0
+    v[2, 1, :4] = [127.0, 63.5, -0.5, 1.5]  # max 127 -> scale 1: halves round to even
+    pool0, host0 = random_bytes(rng, fmt, N_SLOTS), random_bytes(rng, fmt, N_BLOCKS)
+    results = []
+    for writer in (ref, kernel):
+        pool, host = copies(pool0), copies(host0)
+        run_writer(writer, fields, k, v, positions, pool, host, host)
+        results.append((pool, host))
+    assert_same_bytes(results[0][0], results[1][0], "pool")
+    assert_same_bytes(results[0][1], results[1][1], "host copy")

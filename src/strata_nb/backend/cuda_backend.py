@@ -133,5 +133,26 @@ class CudaBackend:
     def add_(self, x, y):
         residual.residual(x, y)
         return x
+
+    # A step (<= 8 rows) runs each of these as one matvec launch with the norm, the gate or
+    # the add fused in; a prompt chunk runs the separate kernels, as NumpyBackend composes them.
+    def normed_matmul(self, x, norm, eps: float, w: DeviceMatrix):
+        if x.shape[0] > matvec.MAX_ROWS:
+            return self.matmul(self.rmsnorm(x, norm, eps), w)
+        y = device_empty((x.shape[0], w.shape[0]), np.float32)
+        matvec.matvec(x, w.raw, w.qtype, y, norm=norm, eps=eps)
+        return y
+
+    def matmul_add_(self, x, a, w: DeviceMatrix):
+        if x.shape[0] > matvec.MAX_ROWS:
+            return self.add_(x, self.matmul(a, w))
+        matvec.matvec(a, w.raw, w.qtype, x, add=True)
+        return x
+
+    def gated_matmul_add_(self, x, gate_up, w: DeviceMatrix):
+        if x.shape[0] > matvec.MAX_ROWS:
+            return self.add_(x, self.matmul(self.swiglu(gate_up), w))
+        matvec.matvec(gate_up, w.raw, w.qtype, x, swiglu=True, add=True)
+        return x
     # --8<-- [end:cuda_ops]
 

@@ -93,4 +93,18 @@ class NumpyBackend:
     def add_(self, x, y):
         x += y
         return x
+
+    # The norm before a product, the gate and the residual add after one: the plain ops
+    # composed (the cuda backend fuses them into one kernel for a decode step).
+    def normed_matmul(self, x, norm, eps: float, w):
+        # rmsnorm(x) @ W.T
+        return self.matmul(self.rmsnorm(x, norm, eps), w)
+
+    def matmul_add_(self, x, a, w):
+        # x += a @ W.T, in place
+        return self.add_(x, self.matmul(a, w))
+
+    def gated_matmul_add_(self, x, gate_up, w):
+        # x += swiglu(gate_up) @ W.T, in place
+        return self.add_(x, self.matmul(self.swiglu(gate_up), w))
     # --8<-- [end:numpy_ops]

@@ -51,11 +51,17 @@ SIDES = {"fp32": ("float", "float"), "fp16": ("float", "float"), "int8": ("int8"
 NEG_INF = np.float32(-np.inf)
 MAX_HEAD_DIM = 128  # shared tiles are sized at compile time: 2 x 16 x 128 floats = 16 KiB
 K_STRIDE = MAX_HEAD_DIM + 1  # the K tile's row stride: row c starts c banks further on
+# Rows (query, head) a thread block attends for, and their q and acc values: 16 queries x
+# 3 heads x 64 dims for the default model. Shared memory then holds 24 KiB of rows, 16 KiB
+# of K/V tiles and 3 KiB of weights, under the 48 KiB a block may have statically.
+MAX_TILE_ROWS = 48
+TILE_VALUES = 48 * 64
 # Selected blocks (64 cells) per thread block: 8K context = 128 splits on a GPU. Under the
-# simulator every thread is a Python thread, so one split covers up to 64 blocks there;
-# tests pass per_split=1 to exercise many splits.
+# simulator every thread is a Python thread, so one split covers up to 64 blocks there
+# and a thread block has one warp; tests pass per_split=1 to exercise many splits.
 BLOCKS_PER_SPLIT = 64 if config.ENABLE_CUDASIM else 4
-MAX_COMBINE_GROUPS = 4  # thread rows of the combine kernel, each summing every 4th split
+THREADS = 32 if config.ENABLE_CUDASIM else 128
+MAX_COMBINE_GROUPS = 16  # thread rows of the combine kernel, each summing every 16th split
 # Under the simulator every thread is a Python thread: one row there (tests pass 4 to cover it)
 COMBINE_GROUPS = 1 if config.ENABLE_CUDASIM else MAX_COMBINE_GROUPS
 
@@ -166,36 +172,51 @@ def make_attention_kernel(read_k, read_v):
                          page_table,  # (n_logical_blocks,) int32
                          scale,       # float32: 1 / sqrt(D)
                          per_split,   # int32: selected blocks per split
+                         tile,        # int32: queries per thread block (their columns agree)
                          pool_ka, pool_kb, pool_va, pool_vb,  # K and V of the pool, by slot
                          host_ka, host_kb, host_va, host_vb,  # the same by logical block, or (0, ...)
                          part_m, part_l,  # (Q, H, n_splits) float32, written: each split's max and sum
                          part_acc):   # (Q, H, n_splits, D) float32, written: its weighted V sum
-        # One thread block per (query, head, split): a split is `per_split` consecutive
-        # columns of the query's selection, so a long context spreads over many blocks of
-        # the GPU. Thread t owns dimension t. For each selected KV block: every thread
-        # unpacks dimension t of the block's 16 K and V rows into shared memory (neighbouring
-        # threads, neighbouring bytes), threads 0..15 score one cell each, then every thread
-        # folds the 16 cells into an online softmax: a running max m, sum l and weighted
-        # sum acc, rescaled whenever a block raises the max. The splits are merged by
-        # attention_combine_kernel.
-        qi, h, split = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
-        t = cuda.threadIdx.x
+        # One thread block per (tile of queries, KV head, split): a split is `per_split`
+        # consecutive columns of the selection, so a long context spreads over many blocks
+        # of the GPU, and the G query heads of the KV head, for every query of the tile,
+        # are the block's rows: each K/V block is read from memory once for all of them.
+        # Per selected block: the threads unpack its 16 K and V rows into shared memory
+        # (thread u reads value u of 16 rows: neighbouring threads, neighbouring bytes),
+        # score the (row, cell) pairs, fold each row's 16 scores into its online softmax
+        # (a running max m, sum l, rescaled whenever a block raises the max), then update
+        # the rows' weighted V sums, acc. attention_combine_kernel merges the splits.
+        q0, kv_h, split = cuda.blockIdx.x * tile, cuda.blockIdx.y, cuda.blockIdx.z
+        t, n_threads = cuda.threadIdx.x, cuda.blockDim.x
         head_dim = q.shape[2]
-        kv_h = h // (q.shape[1] // pool_ka.shape[1])  # consecutive query heads share a KV head
-        # K_STRIDE: the 16 scoring threads read 16 rows at once, each from its own bank
+        group = q.shape[1] // pool_ka.shape[1]  # consecutive query heads share a KV head
+        n_tile = min(tile, q.shape[0] - q0)
+        rows = n_tile * group  # row r: query q0 + r // group, head kv_h * group + r % group
+        q_rows = cuda.shared.array(TILE_VALUES, float32)  # q_rows[r * D + j]
+        acc = cuda.shared.array(TILE_VALUES, float32)  # acc[r * D + d]
+        # K_STRIDE: a warp scoring 16 cells reads 16 rows at once, each from its own bank
         k_tile = cuda.shared.array((BLOCK, K_STRIDE), float32)
         v_tile = cuda.shared.array((BLOCK, MAX_HEAD_DIM), float32)
-        q_row = cuda.shared.array(MAX_HEAD_DIM, float32)
-        scores = cuda.shared.array(BLOCK, float32)
-        k_vals = cuda.local.array(BLOCK, float32)  # this thread's dimension of the block's 16 K rows
-        v_vals = cuda.local.array(BLOCK, float32)  # and of its 16 V rows
-        q_row[t] = q[qi, h, t]
-        last = q_pos[qi]
-        m, l, acc = NEG_INF, float32(0.0), float32(0.0)
+        weights = cuda.shared.array((MAX_TILE_ROWS, BLOCK), float32)  # scores, then exp weights
+        m = cuda.shared.array(MAX_TILE_ROWS, float32)
+        l = cuda.shared.array(MAX_TILE_ROWS, float32)
+        rescale = cuda.shared.array(MAX_TILE_ROWS, float32)
+        column = cuda.local.array(BLOCK, float32)  # value u of the block's 16 K (or V) rows
+        for e in range(t, rows * head_dim, n_threads):
+            r, j = e // head_dim, e % head_dim
+            q_rows[e] = q[q0 + r // group, kv_h * group + r % group, j]
+            acc[e] = float32(0.0)
+        for r in range(t, rows, n_threads):
+            m[r], l[r] = NEG_INF, float32(0.0)
+        last = -1  # the tile's last visible position
+        for i in range(q0, q0 + n_tile):
+            last = max(last, q_pos[i])
         first = split * per_split
         for s in range(first, min(first + per_split, blocks.shape[1])):
-            b = blocks[qi, s]
-            # padding, or a block wholly after the query (a decode step replayed from a graph
+            b = -1  # the tile's block in column s: the launcher checked that its queries agree
+            for i in range(q0, q0 + n_tile):
+                b = max(b, blocks[i, s])
+            # padding, or a block wholly after the tile (a decode step replayed from a graph
             # lists every block of the context): the same for every thread, so none skips a
             # barrier alone
             if b < 0 or b * BLOCK > last:
@@ -204,46 +225,68 @@ def make_attention_kernel(read_k, read_v):
             r = slot if slot >= 0 else b
             ka, kb = (pool_ka, pool_kb) if slot >= 0 else (host_ka, host_kb)
             va, vb = (pool_va, pool_vb) if slot >= 0 else (host_va, host_vb)
-            # All 16 cells, even those after the query (unwritten bytes, maybe NaN): their
-            # scores are masked below and their V is never weighted. Loads into registers
-            # first, with no store between them, so the 32 loads are in flight together
-            # (a store to shared memory could alias a load, so it would wait for each).
-            read_k(ka, kb, r, kv_h, t, k_vals)
-            read_v(va, vb, r, kv_h, t, v_vals)
-            for c in range(BLOCK):
-                k_tile[c, t] = k_vals[c]
-                v_tile[c, t] = v_vals[c]
+            # All 16 cells, even those after the queries (unwritten bytes, maybe NaN): their
+            # scores are masked below and their V is never weighted. A column is loaded
+            # into registers first, with no store between the loads, so they are in flight
+            # together (a store to shared memory could alias a load, so it would wait).
+            for u in range(t, 2 * head_dim, n_threads):
+                if u < head_dim:
+                    read_k(ka, kb, r, kv_h, u, column)
+                    for c in range(BLOCK):
+                        k_tile[c, u] = column[c]
+                else:
+                    read_v(va, vb, r, kv_h, u - head_dim, column)
+                    for c in range(BLOCK):
+                        v_tile[c, u - head_dim] = column[c]
             cuda.syncthreads()  # the tiles are complete before anyone reads them
 
-            if t < BLOCK:  # threads 0..15 score one cell each
-                if b * BLOCK + t <= last:
+            for e in range(t, rows * BLOCK, n_threads):  # score (row, cell) pairs
+                r, c = e // BLOCK, e % BLOCK
+                i = q0 + r // group
+                if blocks[i, s] == b and b * BLOCK + c <= q_pos[i]:
                     dot = float32(0.0)
                     for j in range(head_dim):
-                        dot += q_row[j] * k_tile[t, j]
-                    scores[t] = dot * scale
+                        dot += q_rows[r * head_dim + j] * k_tile[c, j]
+                    weights[r, c] = dot * scale
                 else:
-                    scores[t] = NEG_INF
-            cuda.syncthreads()  # all 16 scores written before anyone reads them
+                    weights[r, c] = NEG_INF
+            cuda.syncthreads()  # all scores written before the softmax reads them
 
-            block_max = NEG_INF
-            for c in range(BLOCK):
-                block_max = max(block_max, scores[c])
-            if block_max > NEG_INF:
-                m_new = max(m, block_max)
-                rescale = math.exp(m - m_new)  # l and acc were summed relative to the old max
-                l *= rescale
-                acc *= rescale
+            for r in range(t, rows, n_threads):  # each row's softmax, one thread per row
+                block_max = NEG_INF
                 for c in range(BLOCK):
-                    if scores[c] > NEG_INF:
-                        p = math.exp(scores[c] - m_new)
-                        l += p
-                        acc += p * v_tile[c, t]
-                m = m_new
-            cuda.syncthreads()  # done with the tiles and scores before the next block
-        if t == 0:
-            part_m[qi, h, split] = m
-            part_l[qi, h, split] = l
-        part_acc[qi, h, split, t] = acc
+                    block_max = max(block_max, weights[r, c])
+                if block_max > NEG_INF:
+                    m_new = max(m[r], block_max)
+                    rescale[r] = math.exp(m[r] - m_new)  # l and acc were summed against the old max
+                    total = l[r] * rescale[r]
+                    for c in range(BLOCK):
+                        if weights[r, c] > NEG_INF:
+                            weights[r, c] = math.exp(weights[r, c] - m_new)
+                            total += weights[r, c]
+                        else:
+                            weights[r, c] = float32(-1.0)  # masked: its V is never read
+                    l[r], m[r] = total, m_new
+                else:  # the row sees no cell of this block
+                    rescale[r] = float32(1.0)
+                    for c in range(BLOCK):
+                        weights[r, c] = float32(-1.0)
+            cuda.syncthreads()  # weights and rescale factors ready
+
+            for e in range(t, rows * head_dim, n_threads):
+                r, d = e // head_dim, e % head_dim
+                total = acc[e] * rescale[r]
+                for c in range(BLOCK):
+                    if weights[r, c] >= 0:  # masked cells may hold NaN: 0 * NaN is NaN
+                        total += weights[r, c] * v_tile[c, d]
+                acc[e] = total
+            cuda.syncthreads()  # done with the tiles and weights before the next block
+        for e in range(t, rows * head_dim, n_threads):
+            r, d = e // head_dim, e % head_dim
+            part_acc[q0 + r // group, kv_h * group + r % group, split, d] = acc[e]
+        for r in range(t, rows, n_threads):
+            part_m[q0 + r // group, kv_h * group + r % group, split] = m[r]
+            part_l[q0 + r // group, kv_h * group + r % group, split] = l[r]
 
     return attention_kernel
 
@@ -303,11 +346,29 @@ def side_arrays(kind, side, arrays, dev):
     return a, view_bytes(a, np.float16)  # d of block g at [9 * g]
 
 
+def tile_for(blocks, group: int, head_dim: int) -> int:
+    """Queries per thread block: as many as the shared rows hold, when every tile's queries
+    agree on each column of `blocks` (a block or -1: a prompt chunk's all_blocks_upto);
+    otherwise, or when `blocks` is in device memory, 1."""
+    most = min(MAX_TILE_ROWS // group, TILE_VALUES // (group * head_dim))
+    n_q = blocks.shape[0]
+    if not isinstance(blocks, np.ndarray) or n_q < 2 or most < 2:
+        return 1
+    tile = min(most, n_q)
+    padded = np.full((-(-n_q // tile) * tile, blocks.shape[1]), -1, np.int32)
+    padded[:n_q] = blocks
+    padded = padded.reshape(-1, tile, blocks.shape[1])
+    hi = padded.max(axis=1)
+    lo = np.where(padded < 0, np.iinfo(np.int32).max, padded).min(axis=1)
+    return tile if bool(np.all((hi < 0) | (lo == hi))) else 1
+
+
 def attention(fmt, q, q_pos, blocks, page_table, pool, host, out, per_split: int = BLOCKS_PER_SPLIT,
-              combine_groups: int = COMBINE_GROUPS):
+              combine_groups: int = COMBINE_GROUPS, tile: int | None = None):
     """Like attention_ref, on the device; NumPy arguments are moved (out written back).
     per_split: selected blocks per thread block, combine_groups: thread rows merging the
-    splits (tests set them to get many splits and several rows under the simulator)."""
+    splits, tile: queries per thread block (default tile_for's choice); tests set them to
+    get many splits, several rows and tiles under the simulator."""
     check_format(fmt, FORMATS)
     expect("q", q, np.float32, (None, None, None))
     n_q, n_heads, head_dim = q.shape
@@ -318,8 +379,14 @@ def attention(fmt, q, q_pos, blocks, page_table, pool, host, out, per_split: int
     specs = pool_arrays(fmt, head_dim)
     n_kv = pool[specs[0].field].shape[1]
     assert n_heads % n_kv == 0, f"{n_heads} query heads do not share {n_kv} KV heads evenly"
+    group = n_heads // n_kv
     assert head_dim <= MAX_HEAD_DIM, f"head_dim {head_dim} > {MAX_HEAD_DIM}, the shared tiles' width"
+    assert group <= MAX_TILE_ROWS and group * head_dim <= TILE_VALUES, \
+        f"{group} query heads of {head_dim} per KV head do not fit the shared rows"
+    combine_groups = min(combine_groups, 1024 // head_dim)  # at most 1024 threads a block
     assert 1 <= combine_groups <= MAX_COMBINE_GROUPS, f"combine_groups {combine_groups} not in 1..{MAX_COMBINE_GROUPS}"
+    tile = tile_for(blocks, group, head_dim) if tile is None else tile
+    assert 1 <= tile * group <= MAX_TILE_ROWS and tile * group * head_dim <= TILE_VALUES, f"tile {tile} too large"
     for spec in specs:
         expect_pool(spec.field, pool[spec.field], spec, n_kv)
     host = {s.field: host_or_absent(f"host {s.field}", (host or {}).get(s.field, np.empty(0)), s, n_kv)
@@ -332,9 +399,9 @@ def attention(fmt, q, q_pos, blocks, page_table, pool, host, out, per_split: int
     part_acc = device_empty((n_q, n_heads, n_splits, head_dim), np.float32)
     kind_k, kind_v = SIDES[fmt]
     with DeviceArgs() as dev:
-        ATTENTION_KERNELS[fmt][(n_q, n_heads, n_splits), head_dim, stream()](
+        ATTENTION_KERNELS[fmt][(-(-n_q // tile), n_kv, n_splits), THREADS, stream()](
             dev.read(q), dev.read(q_pos), dev.read(blocks), dev.read(page_table),
-            score_scale(head_dim), np.int32(per_split),
+            score_scale(head_dim), np.int32(per_split), np.int32(tile),
             *side_arrays(kind_k, "k", pool, dev), *side_arrays(kind_v, "v", pool, dev),
             *side_arrays(kind_k, "k", host, dev), *side_arrays(kind_v, "v", host, dev),
             part_m, part_l, part_acc)

@@ -2,12 +2,12 @@
 
 The same writer as kv_append_fp16.py (read its docstring first): VRAM slot if resident,
 host copy if present, presence tested on the K-side host array (`host_k_q`) alone. Each
-lane quantizes one 64-value group of one head of one cell, for K or for V, with
-quant_int8's device function, once into each destination; the quantizer is
-deterministic, so the pool and the host copy get the same bytes.
+warp quantizes one 64-value group of one head of one cell, for K or for V, with
+quant_int8's `quantize_int8_pair`, and writes the codes into each destination: one
+quantization, so the pool and the host copy get the same bytes.
 
 k8v4 calls this with its K half FOLDED: `k_q = v_q = pool.k_q`, `host_k_q = host_v_q =
-host.k_q` (and the scales likewise), `k_new = v_new = k`. The V lanes then rewrite the
+host.k_q` (and the scales likewise), `k_new = v_new = k`. The V warps then rewrite the
 identical K bytes, and the K-side presence test sees the real host array.
 `_ref` and the launcher take the same arguments and both write the given arrays in place.
 """
@@ -16,7 +16,8 @@ from __future__ import annotations
 from numba import cuda
 
 from strata_nb.kernels.launch import DeviceArgs, expect_pool, expect_window, grid_for, host_or_absent
-from strata_nb.kernels.quant_int8 import quantize_int8_group, quantize_int8_ref
+from strata_nb.kernels.quant_int8 import quantize_int8_pair, quantize_int8_ref
+from strata_nb.kernels.reduce import WARP
 from strata_nb.kv.formats import BLOCK, INT8_GROUP, pool_arrays
 
 
@@ -51,25 +52,33 @@ def kv_append_q8_kernel(k_new, v_new,  # (n, n_kv, head_dim) float32
                         k_q, k_s,      # (n_slots, n_kv, 16, head_dim) int8, (..., head_dim // 64) float16
                         v_q, v_s,      # the same for V
                         host_k_q, host_k_s, host_v_q, host_v_s):  # by logical block, or (0, ...)
-    # One lane per (side, cell, head, 64-value group): a group shares one scale, so its
-    # max|x| and its codes belong to one thread. K lanes come first, then V lanes.
+    # One warp per (side, cell, head, 64-value group): a group shares one scale, found by
+    # the warp together (quantize_int8_pair); lane l writes codes 2l and 2l + 1, so the
+    # warp's 64 codes go out as one contiguous run, which matters most for the host copy
+    # across the bus. K warps come first, then V warps. Warps past the last group redo
+    # the last one without writing: warp_max needs every lane of the block.
     n, n_kv, head_dim = k_new.shape
     groups = head_dim // INT8_GROUP
     per_side = n * n_kv * groups
-    lane = cuda.grid(1)
-    if lane >= 2 * per_side:
-        return
-    side, rest = lane // per_side, lane % per_side
+    unit, lane = cuda.grid(1) // WARP, cuda.threadIdx.x % WARP
+    writes = unit < 2 * per_side
+    unit = min(unit, 2 * per_side - 1)
+    side, rest = unit // per_side, unit % per_side
     i, h, g = rest // (n_kv * groups), rest // groups % n_kv, rest % groups
     block, cell = positions[i] // BLOCK, positions[i] % BLOCK
     slot = page_table[block]
-    row = k_new[i, h] if side == 0 else v_new[i, h]  # (head_dim,) float32
-    if slot >= 0:
+    code0, code1, scale = quantize_int8_pair(k_new[i, h] if side == 0 else v_new[i, h], g, lane)
+    j = g * INT8_GROUP + 2 * lane
+    if writes and slot >= 0:
         q, s = (k_q, k_s) if side == 0 else (v_q, v_s)
-        quantize_int8_group(row, q[slot, h, cell], s[slot, h, cell], g)
-    if host_k_q.shape[0] > 0:  # presence is tested on the K side only, for both sides
+        q[slot, h, cell, j], q[slot, h, cell, j + 1] = code0, code1
+        if lane == 0:
+            s[slot, h, cell, g] = scale
+    if writes and host_k_q.shape[0] > 0:  # presence is tested on the K side only, for both sides
         host_q, host_s = (host_k_q, host_k_s) if side == 0 else (host_v_q, host_v_s)
-        quantize_int8_group(row, host_q[block, h, cell], host_s[block, h, cell], g)
+        host_q[block, h, cell, j], host_q[block, h, cell, j + 1] = code0, code1
+        if lane == 0:
+            host_s[block, h, cell, g] = scale
 # --8<-- [end:kv_append_q8_kernel]
 
 
@@ -86,7 +95,7 @@ def kv_append_q8(k_new, v_new, positions, page_table, k_q, k_s, v_q, v_s,
     host_v_s = host_or_absent("host_v_s", host_v_s, spec["v_s"], n_kv)
     assert host_k_q.shape[0] == 0 or (host_k_s.shape[0] and host_v_q.shape[0] and host_v_s.shape[0]), \
         "host_k_q is present but another host array is absent: its lanes would write outside it"
-    lanes = 2 * n * n_kv * (head_dim // INT8_GROUP)
+    lanes = 2 * n * n_kv * (head_dim // INT8_GROUP) * WARP  # a warp per group
     if lanes == 0:
         return
     with DeviceArgs() as dev:

@@ -13,11 +13,14 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import numpy as np
-from numba import cuda
+from numba import config, cuda
 
 from strata_nb.kv.formats import BLOCK, PoolArray
 
 THREADS = 128  # threads per block for the lane-per-thread kernels: a multiple of the warp
+# A decode step's kernels are small by nature (one token, 3 KV heads): Numba's warning
+# that a grid under-fills the GPU would print for most launches, so it is off.
+config.CUDA_LOW_OCCUPANCY_WARNINGS = False
 
 
 # --8<-- [start:launch_stream]

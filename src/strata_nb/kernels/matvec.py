@@ -53,38 +53,77 @@ weight of average size, 1 / (2 u in^2) times (3.5x at in = 1536).
 """
 from __future__ import annotations
 
+import functools
+import math
+
 import numpy as np
 from numba import config, cuda, float32
 
 from strata_nb.kernels.launch import DeviceArgs, expect, stream
-from strata_nb.kernels.reduce import WARP, warp_sum
+from strata_nb.kernels.reduce import WARP, block_sum, warp_sum
+from strata_nb.kernels.rmsnorm import rmsnorm_ref
+from strata_nb.kernels.swiglu import swiglu_ref
 from strata_nb.model.dequant import dequantize
 
 QK = 32  # values per quantization block; F16/F32 rows are cut into 32-value blocks too
 PARTS = 4  # lanes per block
 PART = QK // PARTS  # 8 values per lane per block
 MAX_ROWS = 8  # activation rows per call: a decode step (1) or a verify window (<= 8)
-ROWS_PER_WARP = 4  # rows of W a warp works through together
-# Warps per thread block and blocks at most. On a GPU every 4 rows get their own warp.
-# The simulator runs every CUDA thread as a Python thread and wakes them one by one at
-# every barrier: one warp striding over all rows costs the least.
-WARPS, MAX_BLOCKS = (1, 1) if config.ENABLE_CUDASIM else (4, 1 << 30)
+ROWS = 4  # rows of W a thread block works through together
+# Warps per thread block: enough for one part of each row per thread (3 for a 576-value
+# row, 6 for 1536), at most 8; thread blocks at most 16 per SM of an H200 (a larger W is
+# grid-strided, so the output head's norm is worked out 2,112 times, not 12,288). The
+# simulator runs every CUDA thread as a Python thread and wakes them one by one at every
+# barrier: one warp striding over all rows costs the least there.
+MAX_WARPS, MAX_BLOCKS = (1, 1) if config.ENABLE_CUDASIM else (8, 16 * 132)
+SUM_WARPS = 8  # rows of the shared array the warps' sums meet in
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "F16": 64, "F32": 128}  # bytes per 32 values
 U = 2.0 ** -24  # float32 unit roundoff
 
 
 # --8<-- [start:matvec_ref]
-def matvec_ref(x,      # (n, in) float32
+def matvec_ref(x,      # (n, in) float32; (n, 2 in) with swiglu: gate values, then up values
                raw,    # (out, bytes_per_row) uint8: GGUF rows of W, (out, in) once dequantized
                qtype,  # "Q4_0", "Q4_1", "Q8_0", "F16" or "F32"
-               y):     # (n, out) float32, written
-    y[...] = x @ dequantize(raw, qtype).T
+               y,      # (n, out) float32, written (added to, with add)
+               norm=None, eps=0.0,  # (in,) float32: multiply rmsnorm(x, norm, eps) instead of x
+               swiglu=False,        # multiply swiglu(x) instead of x
+               add=False):          # y += x @ W.T instead of y = x @ W.T
+    """The decode step's matrix products with what comes before and after them fused in:
+    the norm before q|k|v, gate|up and the output head; the gate after gate|up; the
+    residual add after o and down. Each is its reference composed, in the same order."""
+    x = prologue_ref(x, norm, eps, swiglu)
+    if add:
+        y += x @ dequantize(raw, qtype).T
+    else:
+        y[...] = x @ dequantize(raw, qtype).T
+
+
+def prologue_ref(x, norm, eps, swiglu):
+    """The activations matvec multiplies: x, rmsnorm(x) or swiglu(x)."""
+    if norm is not None:
+        normed = np.empty_like(x)
+        rmsnorm_ref(x, norm, eps, normed)
+        return normed
+    if swiglu:
+        gated = np.empty((x.shape[0], x.shape[1] // 2), np.float32)
+        swiglu_ref(x, gated)
+        return gated
+    return x
 
 
 def dot_tolerance(x, w):
     """(n, out) float64: how far kernel and reference may differ (module docstring)."""
     x64, w64 = np.abs(x.astype(np.float64)), np.abs(w.astype(np.float64))
     return 2 * (x.shape[1] + 1) * U * (x64 @ w64.T)
+
+
+def fused_tolerance(x, w, norm=None, eps=0.0, swiglu=False):
+    """dot_tolerance of the activations the kernel multiplies, plus what its own rmsnorm or
+    swiglu may differ by from the reference's, carried through |W| (module docstring)."""
+    xs = prologue_ref(x, norm, eps, swiglu)
+    prologue_rtol = (x.shape[1] + 8) * U if norm is not None else (16 * U if swiglu else 0.0)
+    return dot_tolerance(xs, w) + prologue_rtol * (np.abs(xs.astype(np.float64)) @ np.abs(w.astype(np.float64)).T)
 # --8<-- [end:matvec_ref]
 
 
@@ -189,32 +228,80 @@ def weight_views(raw, qtype: str):
     return raw.view(view_a), raw.view(view_b)
 
 
+# --8<-- [start:matvec_prologues]
+# What the kernel multiplies by W, value x[r, col] of the row it reads: all take
+# (x, norm, inv, r, col, n_in). `inv` holds 1 / rms of each row of x (NORM only).
+@cuda.jit(device=True)
+def x_plain(x, norm, inv, r, col, n_in):
+    return x[r, col]
+
+
+@cuda.jit(device=True)
+def x_normed(x, norm, inv, r, col, n_in):
+    return x[r, col] * inv[r] * norm[col]  # rmsnorm_kernel's products, in its order
+
+
+@cuda.jit(device=True)
+def x_gated(x, norm, inv, r, col, n_in):
+    g, u = x[r, col], x[r, n_in + col]  # the gate and up halves of gate|up
+    return g / (float32(1.0) + math.exp(-g)) * u  # swiglu_kernel's expression
+
+
+@cuda.jit(device=True)
+def y_store(y, r, o, total):
+    y[r, o] = total
+
+
+@cuda.jit(device=True)
+def y_add(y, r, o, total):
+    y[r, o] += total  # the residual add: one rounding for the dot, one for the sum
+# --8<-- [end:matvec_prologues]
+
+
 # --8<-- [start:matvec_kernel]
-def make_matvec_kernel(part, nibbles):
-    """The kernel for one weight type, given its dequantizer. Numba compiles each."""
+def make_matvec_kernel(part, nibbles, load_x, store_y, normed, x_rows, rows):
+    """The kernel for one weight type (its dequantizer), one prologue and one epilogue,
+    for up to x_rows rows of x (1: a decode step; MAX_ROWS: a verify window), `rows` rows
+    of W per thread block. The sizes are compile-time constants so the per-thread arrays
+    stay in registers: a 1-row step's kernel holds 4 sums, not 32, and fits more warps on
+    an SM to hide the memory's latency."""
 
     @cuda.jit
-    def matvec_kernel(x,  # (n, in) float32, n <= 8
-                      a,  # (out, *) view a of W's rows (QTYPES)
-                      b,  # (out, *) view b of the same bytes
-                      y):  # (n, out) float32, written
-        lane, warp = cuda.threadIdx.x % WARP, cuda.threadIdx.x // WARP
+    def matvec_kernel(x,     # (n, in) float32, n <= 8; (n, 2 in) gated
+                      norm,  # (in,) float32 rmsnorm weight (normed), else unused
+                      eps,   # float32 (normed)
+                      n_in,  # int32: the length of a row of W
+                      a,     # (out, *) view a of W's rows (QTYPES)
+                      b,     # (out, *) view b of the same bytes
+                      y):    # (n, out) float32, written (or added to)
+        # A thread block takes `rows` rows of W at a time; its threads split the rows' parts
+        # between them (thread t: parts t, t + threads, ...), so each has one or two parts
+        # per row to load and the loads of all its rows are in flight together.
+        t, n_threads = cuda.threadIdx.x, cuda.blockDim.x
+        lane, warp = t % WARP, t // WARP
         n, n_out = x.shape[0], y.shape[1]
-        n_parts = x.shape[1] // PART  # the row's parts: lane l takes parts l, l + 32, ...
-        w = cuda.local.array((ROWS_PER_WARP, PART), float32)  # one part of each of the warp's rows
+        n_parts = n_in // PART
+        w = cuda.local.array((rows, PART), float32)  # one part of each of the block's rows
         xs = cuda.local.array(PART, float32)  # the 8 values of a row of x that part multiplies
-        acc = cuda.local.array((ROWS_PER_WARP, MAX_ROWS), float32)  # this lane's partial sums
-        rows_per_trip = cuda.blockDim.x // WARP * ROWS_PER_WARP
-        # Grid-stride over the rows of W, 4 per warp. Every warp of the block makes the
-        # same number of trips, so each trip's warp_sum is reached by all of them.
-        for first in range(cuda.blockIdx.x * rows_per_trip, n_out, cuda.gridDim.x * rows_per_trip):
-            o0 = first + warp * ROWS_PER_WARP  # the warp's first row of W
-            for k in range(ROWS_PER_WARP):
-                for r in range(MAX_ROWS):  # constant trip counts: the arrays stay in registers
+        acc = cuda.local.array((rows, x_rows), float32)  # this thread's partial sums
+        inv = cuda.local.array(x_rows, float32)  # 1 / rms of each row of x
+        per_warp = cuda.shared.array((SUM_WARPS, rows, x_rows), float32)  # each warp's sums
+        if normed:  # each thread block works out the rows' norms once: in values, from cache
+            for r in range(x_rows):
+                if r < n:
+                    squares = float32(0.0)
+                    for j in range(t, n_in, n_threads):
+                        squares += x[r, j] * x[r, j]
+                    inv[r] = float32(1.0) / math.sqrt(block_sum(squares) / float32(n_in) + eps)
+        # Grid-stride over the rows of W, `rows` at a time: every thread of the block makes
+        # the same trips, so each trip's reductions are reached by all of them.
+        for o0 in range(cuda.blockIdx.x * rows, n_out, cuda.gridDim.x * rows):
+            for k in range(rows):
+                for r in range(x_rows):  # constant trip counts: the arrays stay in registers
                     acc[k, r] = float32(0.0)
-            for q in range(lane, n_parts, WARP):
+            for q in range(t, n_parts, n_threads):
                 blk, p = q // PARTS, q % PARTS
-                for k in range(ROWS_PER_WARP):
+                for k in range(rows):
                     if o0 + k < n_out:
                         part(a[o0 + k], b[o0 + k], blk, p, w[k])  # the weights are read here, and only here
                     else:  # past the last row: zeros, whose sums are never stored
@@ -222,42 +309,75 @@ def make_matvec_kernel(part, nibbles):
                             w[k, j] = float32(0.0)
                 lo, hi = part_runs(nibbles, p)
                 lo, hi = blk * QK + lo, blk * QK + hi  # the columns of w[:, 0:4] and w[:, 4:8]
-                for r in range(MAX_ROWS):
+                for r in range(x_rows):
                     if r < n:
-                        for j in range(4):  # 8 loads of x, each used for 4 weights
-                            xs[j] = x[r, lo + j]
-                            xs[4 + j] = x[r, hi + j]
-                        for k in range(ROWS_PER_WARP):
+                        for j in range(4):  # 8 values of x, each used for `rows` weights
+                            xs[j] = load_x(x, norm, inv, r, lo + j, n_in)
+                            xs[4 + j] = load_x(x, norm, inv, r, hi + j, n_in)
+                        for k in range(rows):
                             total = acc[k, r]
                             for j in range(PART):
                                 total += w[k, j] * xs[j]
                             acc[k, r] = total
-            for k in range(ROWS_PER_WARP):
-                for r in range(MAX_ROWS):
+            # Sum the threads' partial sums: within each warp by shuffles, then the warps'
+            # sums in warp order, so the result never depends on timing.
+            for k in range(rows):
+                for r in range(x_rows):
                     if r < n:  # n is the same for every thread, so the reduction stays collective
                         total = warp_sum(acc[k, r])
-                        if lane == 0 and o0 + k < n_out:
-                            y[r, o0 + k] = total
+                        if lane == 0:
+                            per_warp[warp, k, r] = total
+            cuda.syncthreads()
+            k, r = t // x_rows, t % x_rows  # thread t stores output (row k of W, row r of x)
+            if k < rows and r < n and o0 + k < n_out:
+                total = float32(0.0)
+                for v in range(n_threads // WARP):
+                    total += per_warp[v, k, r]
+                store_y(y, r, o0 + k, total)
+            cuda.syncthreads()  # per_warp is read before the next trip writes it
 
     return matvec_kernel
 
 
-MATVEC_KERNELS = {qtype: make_matvec_kernel(part, nibbles) for qtype, (part, _, _, nibbles) in QTYPES.items()}
+PROLOGUES = {"plain": (x_plain, False), "normed": (x_normed, True), "gated": (x_gated, False)}
+EPILOGUES = {"store": y_store, "add": y_add}
+
+
+@functools.cache
+def matvec_kernel_for(qtype: str, prologue: str, epilogue: str, x_rows: int, rows: int):
+    part, _, _, nibbles = QTYPES[qtype]
+    load_x, normed = PROLOGUES[prologue]
+    return make_matvec_kernel(part, nibbles, load_x, EPILOGUES[epilogue], normed, x_rows, rows)
 # --8<-- [end:matvec_kernel]
 
 
-def matvec(x, raw, qtype, y):
+def matvec(x, raw, qtype, y, norm=None, eps=0.0, swiglu=False, add=False, warps: int | None = None):
     """Like matvec_ref, on the device, for 1..8 rows of x. NumPy arguments are moved (y is
-    written back); device arguments are used in place."""
+    written back); device arguments are used in place. warps: per thread block (default:
+    one part of each row per thread, at most MAX_WARPS; tests set it under the simulator)."""
     expect("x", x, np.float32, (None, None))
-    n, n_in = x.shape
+    assert norm is None or not swiglu, "one prologue at a time: norm or swiglu"
+    n = x.shape[0]
+    n_in = x.shape[1] // 2 if swiglu else x.shape[1]
+    assert not swiglu or x.shape[1] == 2 * n_in, f"gate|up rows have an even length, not {x.shape[1]}"
     assert n <= MAX_ROWS, f"x has {n} rows; matvec takes at most {MAX_ROWS} (use matmul)"
     expect("raw", raw, np.uint8, (None, row_bytes(qtype, n_in)))
     n_out = raw.shape[0]
     expect("y", y, np.float32, (n, n_out))
+    if norm is not None:
+        expect("norm", norm, np.float32, (n_in,))
     if n == 0 or n_out == 0:
         return
-    blocks = min(-(-n_out // (WARPS * ROWS_PER_WARP)), MAX_BLOCKS)
+    prologue = "normed" if norm is not None else ("gated" if swiglu else "plain")
+    blocks = min(-(-n_out // ROWS), MAX_BLOCKS)
+    warps = min(MAX_WARPS, -(-n_in // PART // WARP)) if warps is None else warps
+    assert 1 <= warps <= SUM_WARPS, f"{warps} warps per block; the kernel sums at most {SUM_WARPS}"
+    x_rows = 1 if n == 1 else MAX_ROWS
+    assert ROWS * x_rows <= warps * WARP, "a thread per output stores the sums"
     with DeviceArgs() as dev:
         a, b = weight_views(dev.read(raw), qtype)
-        MATVEC_KERNELS[qtype][blocks, WARPS * WARP, stream()](dev.read(x), a, b, dev.write(y))
+        x = dev.read(x)
+        norm = x if norm is None else dev.read(norm)  # unread unless normed: any float32 array
+        kernel = matvec_kernel_for(qtype, prologue, "add" if add else "store", x_rows, ROWS)
+        kernel[blocks, warps * WARP, stream()](
+            x, norm, np.float32(eps), np.int32(n_in), a, b, dev.write(y))  # y is read too, with add

@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import numpy as np
 from numba import cuda, float32
+from numba.core.types import float16
 
 from strata_nb.kernels.launch import DeviceArgs, device_empty, grid_for, is_host_numpy
+from strata_nb.kernels.reduce import warp_max
 from strata_nb.kv.formats import INT8_GROUP
 
 F16_MAX = np.float32(65504.0)  # the largest finite fp16
@@ -89,11 +91,29 @@ def quantize_int8_group(x,       # (head_dim,) float32: one head row
     scales[g] = amax / LEVELS  # float32 -> fp16, round to nearest even, as astype(float16)
     stored = float32(scales[g])  # read back: codes are computed against the stored scale
     for j in range(INT8_GROUP):
-        if stored == 0:
-            codes[base + j] = 0
-        else:
-            code = round(vals[j] / stored)  # half to even (llrintf)
-            codes[base + j] = min(127, max(-127, code))
+        codes[base + j] = int8_code(vals[j], stored)
+
+
+@cuda.jit(device=True)
+def int8_code(v, stored):
+    """The code of one sanitized value against the stored scale."""
+    if stored == 0:
+        return 0
+    return min(127, max(-127, round(v / stored)))  # round: half to even (llrintf)
+
+
+@cuda.jit(device=True)
+def quantize_int8_pair(x,     # (head_dim,) float32: one head row
+                       g,     # which 64-value group of the row
+                       lane):  # this lane of the warp that quantizes the group
+    """A warp quantizes one group: lane l takes values 2l and 2l + 1, the warp's max|x| is
+    one warp_max (a max, so its order cannot change it). Returns the lane's two codes and
+    the group's fp16 scale; every lane of the warp must call it together."""
+    j = g * INT8_GROUP + 2 * lane
+    v0, v1 = sanitize(x[j]), sanitize(x[j + 1])
+    scale = float16(warp_max(max(abs(v0), abs(v1))) / LEVELS)  # round to nearest even, as astype
+    stored = float32(scale)
+    return int8_code(v0, stored), int8_code(v1, stored), scale
 
 
 @cuda.jit(device=True)
