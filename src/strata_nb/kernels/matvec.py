@@ -8,30 +8,40 @@ is the time to read the weights: the default model's 63 MiB of Q4_1 matrices plu
 29 MiB Q8_0 output head per token, against an H200's ~4.8 TB/s (~20 us a token at the
 ceiling). Arithmetic is cheap next to that, so the kernel is shaped around the reads:
 
-- a lane handles a *part*, 8 of the 32 values of a quantization block, so 4 neighbouring
-  lanes cover one block and a warp covers 8 blocks: the warp's loads fall on one
-  contiguous run of the row (coalesced), each lane loading its 4 bytes of codes as one
-  4-byte word (Q4_1, F32) or two/four 2-byte halves (Q4_0 and Q8_0 blocks are 18 and 34
-  bytes, so their codes sit only on 2-byte boundaries);
-- the fp16 scale d (and Q4_1's offset m) is loaded once per block by each of its 4 lanes:
-  one address, so one transaction for the warp;
-- a warp works on 4 rows of W at once: their loads are in flight together, and each
-  value of x a lane loads (8 a part, the instruction it issues most) serves 4 weights;
-- every activation row is accumulated from that one read of the weights (`acc`, up to
-  4 x 8 float32 sums per lane), so a verify window costs the weight reads of one step;
-- `warp_sum` (reduce.py) adds the 32 lanes' partial sums at the end.
+- a thread handles a *part*, 8 of the 32 values of a quantization block, so 4
+  neighbouring threads cover one block and a warp covers 8 blocks: the warp's loads fall
+  on one contiguous run of the row (coalesced), each thread loading its 4 bytes of codes
+  as one 4-byte word (Q4_1, F32) or two/four 2-byte halves (Q4_0 and Q8_0 blocks are 18
+  and 34 bytes, so their codes sit only on 2-byte boundaries);
+- the fp16 scale d (and Q4_1's offset m) is loaded once per block by each of its 4
+  threads: one address, so one transaction for the warp;
+- a thread block works on ROWS = 4 rows of W at once, and its warps split each row's
+  parts between them (3 warps for a 576-value row, 6 for 1,536): every thread has one or
+  two parts per row, so its loads of all 4 rows are in flight together, and each value
+  of x it loads serves 4 weights;
+- every activation row is accumulated from that one read of the weights (`acc`), so a
+  verify window costs the weight reads of one step; a 1-row step compiles its own kernel
+  (4 sums a thread, not 32), whose smaller register count fits more warps on an SM;
+- `warp_sum` (reduce.py) adds each warp's lanes, then one thread per output adds the
+  warps' sums in warp order.
 
-x itself is read through the cache: every warp of the grid reads the same few KiB.
+x itself is read through the cache: every block of the grid reads the same few KiB.
 
-Measured on an H200 (kernel alone, CUDA events, median of 7 x 20 launches; a
-device-to-device copy moved 3,875 GB/s counting read + write): the output head, Q8_0
-49152 x 576 (30 MB), 55 us at 1 row of x (545 GB/s) and 118 us at 8; Q4_1 32768 x 4096
-(84 MB), 169 us at 1 row (497 GB/s), 408 us at 8. One row of W per warp took 74, 250
-and 179 us. So the kernel reaches ~14% of the copy rate: a lane has one part (4 bytes
-of codes) in flight per row at a time, in 2- and 4-byte loads, and 115 registers allow
-16 warps per SM; 16-byte loads of a repacked layout (codes apart from scales) are the
-next step. The default model's layer matrices (<= 1.8 MB) take a few us on the GPU,
-well under the 30-50 us Python spends launching any kernel.
+Fused in (the forward pass's `normed_matmul`, `gated_matmul_add_`, `matmul_add_`): a
+*prologue* decides what the kernel multiplies, x itself, rmsnorm(x) (each thread block
+works out the row's norm once, with `block_sum`) or swiglu(gate|up); an *epilogue*
+stores y or adds to it (the residual). A decode step launches 121 matvecs and no
+separate norm, gate or add.
+
+Measured on an H200 (one decode step's matvecs, the default model's shapes; CUPTI, median
+of 50 launches; `tools/kernel_bench.py`): q|k|v with its norm 4.6 us, o with the add
+3.5, gate|up with its norm 6.0, down with SwiGLU and the add 4.9, the Q8_0 output head
+(49152 x 576, 30 MB) with its norm 61 us. The previous version, a warp per 4 rows with
+every lane striding over the whole row, took 8.6, 6.5, 9.1, 17.2 and 65 us for the same
+fused launches: a lane there walked up to 6 parts of a row one after another, each
+waiting for its loads. The small matrices are bound by latency (0.2 to 1.8 MB in 3 to
+6 us), the head by bandwidth at about 500 GB/s, 16% of the device's copy rate: 2- and
+4-byte loads, where a repacked layout (codes apart from scales) would allow 16-byte ones.
 
 The per-type dequantizers are small device functions with one signature,
 `part(a, b, blk, p, w)`: a and b are two views of one weight row (see QTYPES), blk the
@@ -50,6 +60,11 @@ loose (random rounding errors grow like sqrt(k); the tests see at most 1/30 of i
 still below what a real bug costs: one wrong scale moves 32 products, ~32 sum/in, which
 is 16 / (u in^2) times the bound (110x at in = 1536, 800x at in = 576); a single wrong
 weight of average size, 1 / (2 u in^2) times (3.5x at in = 1536).
+
+A fused prologue computes the activations itself, so they may differ from
+rmsnorm_ref's or swiglu_ref's by those kernels' own tolerances ((in + 8) u and 16 u,
+relatively); through the product that adds rtol * sum_i |x_i| |w_i| (`fused_tolerance`).
+A fused add rounds once more on each side: 2 u |y| more.
 """
 from __future__ import annotations
 

@@ -162,7 +162,9 @@ class KVCache:
                 self.counters.copies += len(copies)
                 self._upload_table(L)
         out = self.be.empty(q.shape, np.float32)
-        self._attention(self.fmt, q, self.be.asarray(positions), self.be.asarray(blocks), src.page_table,
+        # blocks go as they are (NumPy, or the device step's every_block): the cuda launcher
+        # looks at a NumPy selection to put queries that share it in one thread block
+        self._attention(self.fmt, q, self.be.asarray(positions), blocks, src.page_table,
                         src.pool, src.host, out)
         if "v" in rotates(self.fmt):
             out = self._hadamard(out)  # attention mixed rotated V rows: rotate back once (H = H^-1)

@@ -1,0 +1,85 @@
+"""Single kernels on the default model's shapes, timed by CUPTI (needs torch), on a GPU:
+
+    STRATA_NB_GPU=1 python tools/kernel_bench.py
+
+- attention + combine for one decode query at 8,192 cells, splits of 1..8 blocks, fp16
+  and k8v4, and a 256-query prompt chunk at 8K with 1, 4 and 16 queries per thread block;
+- each matvec of a decode step (fused q|k|v with its norm, o with the add, gate|up with
+  its norm, down with SwiGLU and the add, the Q8_0 head) at 2, 4 and 8 rows per block.
+
+The K/V and weights are random bytes: the times depend on the shapes only.
+"""
+import numpy as np
+from numba import cuda
+
+import strata_nb.kernels.attention as at
+import strata_nb.kernels.matvec as mv
+from strata_nb.bench.profile import kernel_times
+from strata_nb.kv.formats import pool_arrays
+from strata_nb.kv.select import all_blocks_upto
+
+rng = np.random.default_rng(0)
+N_BLOCKS = 512  # 8,192 cells
+
+
+def us(run, steps):
+    run()
+    cuda.synchronize()
+    return {k: round(v[1], 1) for k, v in kernel_times(run, steps).items()}
+
+
+def pool(fmt):
+    out = {}
+    for a in pool_arrays(fmt, 64):
+        if a.dtype == np.float16:
+            out[a.field] = cuda.to_device((rng.standard_normal((N_BLOCKS, 3, 16, a.per_head)) * 0.1).astype(np.float16))
+        else:
+            out[a.field] = cuda.to_device(rng.integers(0, 120, (N_BLOCKS, 3, 16, a.per_head)).astype(a.dtype))
+    return out
+
+
+def attention():
+    page_table = cuda.to_device(np.arange(N_BLOCKS, dtype=np.int32))
+    for fmt in ("fp16", "k8v4"):
+        kv = pool(fmt)
+        q = cuda.to_device(rng.standard_normal((1, 9, 64)).astype(np.float32))
+        q_pos = cuda.to_device(np.array([N_BLOCKS * 16 - 1], np.int32))
+        blocks = cuda.to_device(np.arange(N_BLOCKS, dtype=np.int32).reshape(1, N_BLOCKS))
+        out = cuda.device_array((1, 9, 64), np.float32)
+        for per_split in (1, 2, 4, 8):
+            t = us(lambda: at.attention(fmt, q, q_pos, blocks, page_table, kv, None, out, per_split=per_split), 30)
+            print(f"{fmt} decode at 8K, {per_split} blocks per split: {t}", flush=True)
+        pos = np.arange(N_BLOCKS * 16 - 256, N_BLOCKS * 16, dtype=np.int32)
+        q = cuda.to_device(rng.standard_normal((256, 9, 64)).astype(np.float32))
+        out = cuda.device_array((256, 9, 64), np.float32)
+        for tile in (1, 4, 16):
+            t = us(lambda: at.attention(fmt, q, pos, all_blocks_upto(pos), page_table, kv, None, out, tile=tile), 3)
+            print(f"{fmt} prompt chunk of 256 at 8K, {tile} queries per block: {t}", flush=True)
+
+
+def matvecs():
+    shapes = {"qkv": ("Q4_1", 960, 576, "normed"), "o": ("Q4_1", 576, 576, "add"),
+              "gate_up": ("Q4_1", 3072, 576, "normed"), "down": ("Q4_1", 576, 1536, "gated"),
+              "head": ("Q8_0", 49152, 576, "normed")}
+    weights = {k: cuda.to_device(rng.integers(0, 64, (o, mv.row_bytes(q, i)), dtype=np.uint8))
+               for k, (q, o, i, _) in shapes.items()}
+    x = cuda.to_device(rng.standard_normal((1, 3072)).astype(np.float32))
+    norm = cuda.to_device(np.ones(576, np.float32))
+    default = mv.ROWS
+    for rows in (2, 4, 8):
+        mv.ROWS = rows
+        times = []
+        for name, (qtype, n_out, n_in, kind) in shapes.items():
+            y = cuda.device_array((1, n_out), np.float32)
+            xs = x[:, :2 * n_in] if kind == "gated" else x[:, :n_in]
+            kw = {"normed": dict(norm=norm[:n_in], eps=1e-5), "add": dict(add=True),
+                  "gated": dict(swiglu=True, add=True)}[kind]
+            t = us(lambda: mv.matvec(xs, weights[name], qtype, y, **kw), 50)
+            times.append(f"{name} {sum(t.values()):.1f}")
+        print(f"matvec, {rows} rows of W per block (us): " + ", ".join(times), flush=True)
+    mv.ROWS = default
+
+
+if __name__ == "__main__":
+    attention()
+    matvecs()
