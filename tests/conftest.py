@@ -17,6 +17,40 @@ if not ON_GPU:
 import pytest  # noqa: E402
 
 
+def _thread_safe_shared_arrays():
+    """numba-cuda 0.30's simulator makes a block's shared array on the first call at a
+    source line, with a check-then-insert that is not atomic: two simulated threads can
+    each see none and keep their own array, so one thread's writes never reach the
+    others (seen as a top-p draw that changed from run to run). The same lookup, under a
+    lock."""
+    import threading
+    import traceback
+
+    import numpy as np
+    from numba.core import types
+    from numba.cuda.simulator import kernelapi
+    from numba.np import numpy_support
+
+    lock, original = threading.Lock(), kernelapi.FakeCUDAShared.array
+
+    def array(self, shape, dtype, alignment=None):
+        if shape == 0 or alignment is not None:  # dynamic shared memory, or the simulator's error
+            return original(self, shape, dtype, alignment)
+        if isinstance(dtype, types.Type):
+            dtype = numpy_support.as_dtype(dtype)
+        caller = tuple(traceback.extract_stack(sys._getframe())[-2][0:2])  # (file, line) of the kernel's call
+        with lock:
+            if caller not in self._allocations:
+                self._allocations[caller] = np.empty(shape, dtype)
+            return self._allocations[caller]
+
+    kernelapi.FakeCUDAShared.array = array
+
+
+if not ON_GPU:
+    _thread_safe_shared_arrays()
+
+
 @pytest.fixture(scope="session")
 def default_model_path():
     """The default GGUF, fetched into the cache (STRATA_NB_HOME) on first use."""

@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import config, cuda, float32
+from numba import config, cuda, float32, int64
 
 from strata_nb.kernels.launch import DeviceArgs, expect, stream
 from strata_nb.kernels.reduce import NEG_INF, block_max, block_sum
@@ -93,8 +93,9 @@ def kept_in(logits, first, last, top, inv_temperature, threshold):
 
 @cuda.jit(device=True)
 def uniform(seed, counter):
-    """uniform_ref on the device, in int64."""
-    x = ((seed & MASK) ^ (counter * 0x2545F491)) & MASK
+    """uniform_ref on the device, in int64. The counter is widened first: the simulator
+    runs this as NumPy, where an int32 counter times the constant would wrap in int32."""
+    x = ((seed & MASK) ^ (int64(counter) * 0x2545F491)) & MASK
     x = ((x ^ (x >> 16)) * 0x7FEB352D) & MASK
     x = ((x ^ (x >> 15)) * 0x68E31DA5) & MASK
     x ^= x >> 16
