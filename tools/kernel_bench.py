@@ -67,7 +67,7 @@ def matvecs():
     norm = cuda.to_device(np.ones(576, np.float32))
     default = mv.ROWS
     for rows in (2, 4, 8):
-        mv.ROWS = rows
+        mv.ROWS, mv.MATVEC_KERNELS = rows, mv.matvec_kernels(rows)
         times = []
         for name, (qtype, n_out, n_in, kind) in shapes.items():
             y = cuda.device_array((1, n_out), np.float32)
@@ -77,7 +77,7 @@ def matvecs():
             t = us(lambda: mv.matvec(xs, weights[name], qtype, y, **kw), 50)
             times.append(f"{name} {sum(t.values()):.1f}")
         print(f"matvec, {rows} rows of W per block (us): " + ", ".join(times), flush=True)
-    mv.ROWS = default
+    mv.ROWS, mv.MATVEC_KERNELS = default, mv.matvec_kernels(default)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from strata_nb.backend.cuda_backend import CudaBackend
+from strata_nb.backend.numpy_backend import NumpyBackend
 from strata_nb.engine.decode_step import DeviceStep
 from strata_nb.engine.engine import Engine
 from strata_nb.errors import StrataError
@@ -79,9 +80,14 @@ def test_top_p_draws_on_the_device(tiny_model):
     assert step.run(token, pos) == int(want[0])
 
 
-def test_streamed_or_qsa_cache_takes_the_host_path(tiny_model):
-    assert engine(tiny_model, "fp16", qsa_budget=32).device_step() is None
-    assert not DeviceStep.supported(engine(tiny_model, "fp16").be, engine(tiny_model, "fp16", qsa_budget=32).kv)
+def test_every_cache_gets_a_device_step_on_cuda_and_none_on_numpy(tiny_model):
+    """QSA and streamed caches select and map on the device (test_device_step_streamed.py);
+    the numpy backend always takes the host path."""
+    eng = engine(tiny_model, "fp16", qsa_budget=32)
+    assert eng.device_step() is not None and DeviceStep.supported(eng.be, eng.kv)
+    cpu = Engine(Settings(model=tiny_model, kv="fp16", max_context=64, device="cpu"), GGUFModel(tiny_model),
+                 NumpyBackend())
+    assert cpu.device_step() is None
 
 
 def test_a_position_past_the_cache_is_an_error(tiny_model):

@@ -5,8 +5,9 @@ arrays, which every launch copies over. Here they stay on the device:
 
     token (1,) int32   the id going in; the step's argmax writes the greedy pick over it
     pos   (1,) int32   its position; the step's last launch adds 1
-    every_block        the attention block list: the whole context, the kernel skips
-                       blocks after the query (kv/cache.py)
+    the block list     what attention reads: every block of a resident cache (the kernel
+                       skips those after the query), or the step's own selection
+                       (kv/cache.py: StepBlocks)
 
 so one step's launches are the same every token and can be captured once into a CUDA graph
 (backend/cuda_graph.py) and replayed. Greedy decode, and temperature / top-p sampling
@@ -14,10 +15,14 @@ so one step's launches are the same every token and can be captured once into a 
 steps except to read the 4-byte pick from mapped memory; top-k sampling reads the logits
 back and writes its token over `token`.
 
-It needs a fully resident cache with dense attention: streaming and QSA make host
-decisions from the position (ring, slots, selection) inside the step, so those steps run
-the host path. Without a GPU (the simulator) or with `--no-graph`, `run` launches the
-same kernels one by one: the tests check that path against the host path.
+A streamed or QSA cache makes its per-step decisions on the device too: the ring follows
+the position (kernels/map_ring.py), the step selects its blocks (kernels/select_blocks.py),
+and a selected block that is not in VRAM is read in place from the host copy instead of
+being copied into a slot first. The host maps the first step's block before the first
+replay, and takes the maps and counters back before its next decision
+(KVCache.before_device_steps, _sync_from_device). Without a GPU (the simulator) or with
+`--no-graph`, `run` launches the same kernels one by one: the tests check that path
+against the host path.
 """
 from __future__ import annotations
 
@@ -50,7 +55,7 @@ class DeviceStep:
 
     @staticmethod
     def supported(be, kv) -> bool:
-        return be.name == "cuda" and kv.positions_on_device
+        return be.name == "cuda" and kv.step is not None
 
     def launch(self):
         """The step's launches: the forward pass, the pick (greedy or drawn), advance."""
@@ -70,6 +75,7 @@ class DeviceStep:
         if self._next != (token, pos):  # a sampled token, or the first step: write the inputs
             self.be.copy_into(self.token, np.array([token], np.int32))
             self.be.copy_into(self.pos, np.array([pos], np.int32))
+            self.kv.before_device_steps(pos)
         if self.graph is None and self.use_graph and self.logits is not None:
             from ..backend.cuda_graph import StepGraph
 

@@ -68,7 +68,6 @@ A fused add rounds once more on each side: 2 u |y| more.
 """
 from __future__ import annotations
 
-import functools
 import math
 
 import numpy as np
@@ -358,11 +357,15 @@ PROLOGUES = {"plain": (x_plain, False), "normed": (x_normed, True), "gated": (x_
 EPILOGUES = {"store": y_store, "add": y_add}
 
 
-@functools.cache
-def matvec_kernel_for(qtype: str, prologue: str, epilogue: str, x_rows: int, rows: int):
-    part, _, _, nibbles = QTYPES[qtype]
-    load_x, normed = PROLOGUES[prologue]
-    return make_matvec_kernel(part, nibbles, load_x, EPILOGUES[epilogue], normed, x_rows, rows)
+def matvec_kernels(rows: int) -> dict:
+    """Every (qtype, prologue, epilogue, rows of x) kernel at `rows` rows of W per block;
+    Numba compiles each one the first time it is launched."""
+    return {(qtype, pro, epi, x_rows): make_matvec_kernel(part, nibbles, load_x, EPILOGUES[epi], normed, x_rows, rows)
+            for qtype, (part, _, _, nibbles) in QTYPES.items()
+            for pro, (load_x, normed) in PROLOGUES.items() for epi in EPILOGUES for x_rows in (1, MAX_ROWS)}
+
+
+MATVEC_KERNELS = matvec_kernels(ROWS)
 # --8<-- [end:matvec_kernel]
 
 
@@ -393,6 +396,6 @@ def matvec(x, raw, qtype, y, norm=None, eps=0.0, swiglu=False, add=False, warps:
         a, b = weight_views(dev.read(raw), qtype)
         x = dev.read(x)
         norm = x if norm is None else dev.read(norm)  # unread unless normed: any float32 array
-        kernel = matvec_kernel_for(qtype, prologue, "add" if add else "store", x_rows, ROWS)
+        kernel = MATVEC_KERNELS[qtype, prologue, "add" if add else "store", x_rows]
         kernel[blocks, warps * WARP, stream()](
             x, norm, np.float32(eps), np.int32(n_in), a, b, dev.write(y))  # y is read too, with add

@@ -71,9 +71,42 @@ class LayerKV(KVDest):
         self.slots = None if plan is None else SlotTable(n_blocks, plan.n_ring, plan.n_pool)
         table = np.arange(n_blocks, dtype=np.int32) if plan is None else self.slots.page_table
         super().__init__(pool, be.asarray(table), host)
+        # slot -> block, the page table's inverse, in device memory too: a replayed step
+        # moves the ring there (kernels/map_ring.py)
+        self.slot_block = None if plan is None else be.asarray(self.slots.slot_block)
         # QSA bounds: (n_blocks, n_kv, hd) float32 min and max of K per block and head
         self.kmin = be.zeros((n_blocks, n_kv, head_dim), np.float32) if qsa else None
         self.kmax = be.zeros((n_blocks, n_kv, head_dim), np.float32) if qsa else None
+
+
+# --8<-- [start:step_blocks]
+class StepBlocks:
+    """What a replayed decode step's attention reads, kept in device memory: a graph cannot
+    be handed a new block list, so the step makes its own. Fully resident and dense: every
+    block, and attention skips those after the query. Otherwise: the selection kernel writes
+    this step's list (QSA's picks, or every block up to the query), and the blocks not in
+    VRAM are read in place from the host copy."""
+
+    def __init__(self, be, kv):
+        n = kv.n_blocks
+        self.be, self.kv = be, kv
+        self.dense_resident = not kv.streamed and kv.qsa_budget == 0
+        width = n if kv.qsa_budget == 0 else max(max(1, kv.qsa_budget // BLOCK), kv.window_blocks + 1)
+        self.blocks = be.asarray(np.arange(width, dtype=np.int32).reshape(1, width))  # (1, width) int32
+        self.scores = be.zeros((1, n), np.float32)  # (1, n_blocks) QSA scores
+        self.chosen = be.zeros((n,), np.int32)  # (n_blocks,) selected flags
+        self.counts = be.zeros((3,), np.int64)  # lookups, not in VRAM, selections
+
+    def select(self, L, q, pos):
+        if self.dense_resident:
+            return self.blocks
+        if self.kv.qsa_budget:
+            self.be.op("block_scores")(q, L.kmin, L.kmax, self.scores)
+        self.be.op("select_blocks")(self.scores, pos, L.page_table, self.kv.window_blocks, self.kv.qsa_budget,
+                                    self.chosen, self.blocks, self.counts)
+        self.kv._device_newer = True
+        return self.blocks
+# --8<-- [end:step_blocks]
 
 
 class KVCache:
@@ -90,11 +123,9 @@ class KVCache:
         self.stage = None if self.plan is None else KVDest(
             {f: be.zeros((self.n_blocks,) + tuple(a.shape[1:]), a.dtype)
              for f, a in self.layers[0].pool.items()}, identity, None)
-        # a decode step replayed from a graph cannot be handed a new block list: it lists
-        # every block, and attention skips those after the query (resident, dense only)
-        self.every_block = (be.asarray(np.arange(self.n_blocks, dtype=np.int32).reshape(1, self.n_blocks))
-                            if self.positions_on_device else None)
-        self.counters = StreamCounters()
+        self._counters = StreamCounters()
+        self.step = StepBlocks(be, self) if be.name == "cuda" else None
+        self._device_newer = False  # a replayed step moved the ring or counted lookups on the device
         self._hadamard = be.op("hadamard")
         self._attention = be.op("attention")
 
@@ -103,10 +134,10 @@ class KVCache:
         return self.plan is not None
 
     @property
-    def positions_on_device(self) -> bool:
-        """Can a step's positions stay in device memory? Only when no host decision (ring,
-        slots, QSA selection) depends on them: fully resident, dense attention."""
-        return not self.streamed and self.qsa_budget == 0
+    def counters(self) -> StreamCounters:
+        """The streaming counters, with what replayed steps counted on the device."""
+        self._sync_from_device()
+        return self._counters
 
     def describe(self) -> str:
         if not self.streamed:
@@ -127,16 +158,21 @@ class KVCache:
             v = self._hadamard(v)
         L = self.layers[layer]
         pos = self.be.asarray(positions)
-        if self.streamed:
+        on_device = not isinstance(positions, np.ndarray)  # a replayed decode step
+        if self.streamed and on_device:
+            self.be.op("map_ring")(pos, L.page_table, L.slot_block, self.plan.n_ring)  # the ring follows, on the device
+            self._device_newer = True
+        elif self.streamed:
+            self._sync_from_device()
             first, last = int(positions[0]), int(positions[-1])
             refill = L.slots.map_ring(first, last)  # the ring follows the writes
             self._move(L.host, L.pool, refill)
-            self.counters.refills += len(refill)
+            self._counters.refills += len(refill)
             self._upload_table(L)
             if prompt:  # the stage receives the blocks before the chunk from the host copy
                 before = -(-first // BLOCK)
                 self._move(L.host, self.stage.pool, [(b, b) for b in range(before)])
-                self.counters.staged_blocks += before
+                self._counters.staged_blocks += before
                 append_cells(self.be, self.fmt, self.stage, pos, k, v)
         append_cells(self.be, self.fmt, L, pos, k, v, self.fault)  # host copy always, slot if resident
         if L.kmin is not None:
@@ -150,16 +186,17 @@ class KVCache:
             q = self._hadamard(q)  # <Hq, Hk> = <q, k>: the rotation cancels in the scores
         L = self.layers[layer]
         if not isinstance(positions, np.ndarray):  # positions in device memory: a replayable step
-            assert self.positions_on_device and not prompt, "device positions need a resident, dense decode step"
-            blocks, src = self.every_block, L
+            assert self.step is not None and not prompt, "device positions are for a decode step on the cuda backend"
+            blocks, src = self.step.select(L, q, positions), L  # misses are read in place
         elif prompt:  # a prompt chunk reads every earlier cell: the pool, or the stage when streaming
             blocks, src = all_blocks_upto(positions), (self.stage if self.streamed else L)
         else:
             blocks, src = self.select(L, q, positions), L
             if self.streamed:
-                copies = L.slots.resolve(blocks, self.counters)
+                self._sync_from_device()
+                copies = L.slots.resolve(blocks, self._counters)
                 self._move(L.host, L.pool, copies)
-                self.counters.copies += len(copies)
+                self._counters.copies += len(copies)
                 self._upload_table(L)
         out = self.be.empty(q.shape, np.float32)
         # blocks go as they are (NumPy, or the device step's every_block): the cuda launcher
@@ -189,17 +226,53 @@ class KVCache:
         dst_index = self.be.asarray(np.array([d for _, d in pairs], np.int32))
         for field in dst:
             self.be.op("copy_runs")(as_words(src[field]), as_words(dst[field]), src_index, dst_index)
-        self.counters.bytes_moved += len(pairs) * self.block_bytes
+        self._counters.bytes_moved += len(pairs) * self.block_bytes
     # --8<-- [end:move]
 
     def _upload_table(self, L):
         self.be.copy_into(L.page_table, L.slots.page_table)
+        self.be.copy_into(L.slot_block, L.slots.slot_block)
+
+    # ---- replayed decode steps: the host hands over, then takes back ----------------------
+    # --8<-- [start:device_steps]
+    def before_device_steps(self, pos: int):
+        """Before replayed steps start at `pos`: the host maps the ring onto pos's block,
+        refilling it if the ring had left it, so every replayed step after enters its
+        blocks at their first cell (kernels/map_ring.py)."""
+        if not self.streamed:
+            return
+        self._sync_from_device()
+        for L in self.layers:
+            refill = L.slots.map_ring(pos, pos)
+            self._move(L.host, L.pool, refill)
+            self._counters.refills += len(refill)
+            self._upload_table(L)
+
+    def _sync_from_device(self):
+        """After replayed steps: the host's maps take the device's (the ring moved there) and
+        the counters take the device's counts. Every host decision starts here, so none is
+        made on stale maps, the kind of drift that leaves a slot read as another block."""
+        if not self._device_newer:
+            return
+        self._device_newer = False
+        if self.streamed:
+            for L in self.layers:
+                L.slots.page_table[:] = self.be.to_numpy(L.page_table)
+                L.slots.slot_block[:] = self.be.to_numpy(L.slot_block)
+            looked, missing, selections = (int(c) for c in self.be.to_numpy(self.step.counts))
+            self._counters.lookups += looked
+            self._counters.misses += missing
+            self._counters.in_place += missing  # a replayed step reads every miss in place
+            self._counters.steps += selections
+        self.be.copy_into(self.step.counts, np.zeros(3, np.int64))
+    # --8<-- [end:device_steps]
 
     # ---- snapshots: the host copy rewritten wholesale, then the ring restored ----------
     # --8<-- [start:snapshot_restore]
     def snapshot(self, end: int) -> dict:
         """The K/V bytes (and QSA bounds) of cells [0, end), as host arrays."""
         nb = -(-end // BLOCK)
+        self._sync_from_device()
         layers = []
         for L in self.layers:
             src = L.host if self.streamed else L.pool
@@ -213,6 +286,7 @@ class KVCache:
         and refill the ring, so nothing in VRAM can be stale."""
         if snap["fmt"] != self.fmt or len(snap["layers"]) != len(self.layers):
             raise StrataError("snapshot does not match this cache's format or layer count")
+        self._sync_from_device()
         end_block = -(-snap["end"] // BLOCK)
         if end_block > self.n_blocks:
             raise StrataError(f"snapshot of {snap['end']} cells does not fit {self.n_blocks * BLOCK}")

@@ -1,0 +1,112 @@
+"""A decode step's block selection on the device: the blocks kv/select.py would pick, so a
+step replayed from a CUDA graph reads what the host path reads.
+
+The host path picks blocks in Python from the step's scores (`select_blocks`): block 0,
+the window (the last `window_blocks` blocks up to the query) and, of the rest, the highest
+scores up to the budget, ties to the lower block (a stable sort); or, with no budget,
+every block up to the query. A graph cannot call Python between its kernels, so this
+kernel makes the same choice from the scores in device memory and writes the list the
+attention kernel reads, ascending and -1 padded to a fixed width. A missing block needs
+no copy here: attention reads it in place from the host copy (mapped pinned memory), the
+same bytes the host path would first copy into a slot. So the two paths attend over the
+same bytes in the same order and give the same bits.
+
+It also counts, for the cache's counters, how many blocks the step looked up and how many
+of those were not in VRAM (all of them read in place).
+
+One thread block. Block b is chosen if it is in the window or block 0, or if fewer than
+`take` other candidates outrank it: a higher score, or the same score and a lower index.
+That rank is the block's place in the stable sort, so the choice is the host's. Each
+chosen block's place in the list is the number of chosen blocks before it. Both counts
+loop over every block: n^2 comparisons, 262,144 for 8K of context, a few us on a GPU.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import config, cuda
+
+from strata_nb.kernels.launch import DeviceArgs, expect, stream
+from strata_nb.kv.formats import BLOCK
+from strata_nb.kv import select as host_select
+
+THREADS = 32 if config.ENABLE_CUDASIM else 512
+
+
+# --8<-- [start:select_blocks_ref]
+def select_blocks_ref(scores,      # (1, n_blocks) float32 (unread when dense)
+                      q_pos,       # (1,) int32: the step's position
+                      page_table,  # (n_blocks,) int32 slot, -1 = not in VRAM
+                      window_blocks, budget_cells,  # int: --kv-window // 16, --qsa-budget (0 = dense)
+                      chosen,      # (n_blocks,) int32 scratch, written: 1 = selected
+                      out,         # (1, width) int32, written: the selection ascending, -1 padded
+                      counts):     # (3,) int64, added to: blocks looked up, of which not in VRAM, and 1
+    if budget_cells == 0:
+        sel = host_select.all_blocks_upto(q_pos)[0]
+    else:
+        sel = host_select.select_blocks(np.asarray(scores), q_pos, window_blocks, budget_cells)[0]
+    sel = sel[sel >= 0]
+    assert len(sel) <= out.shape[1], f"{len(sel)} blocks selected; the list holds {out.shape[1]}"
+    chosen[:] = 0
+    chosen[sel] = 1
+    out[0, :] = -1
+    out[0, :len(sel)] = sel
+    counts[0] += len(sel)
+    counts[1] += int((page_table[sel] < 0).sum())
+    counts[2] += 1  # one selection: a layer's step
+# --8<-- [end:select_blocks_ref]
+
+
+# --8<-- [start:select_blocks_kernel]
+@cuda.jit
+def select_blocks_kernel(scores, q_pos, page_table, window_blocks, budget_cells, chosen, out, counts):
+    t, n_threads = cuda.threadIdx.x, cuda.blockDim.x
+    n_blocks = chosen.shape[0]
+    last = q_pos[0] // BLOCK
+    first_window = max(0, last - window_blocks + 1)
+    n_always = last - first_window + 1 + (1 if first_window > 0 else 0)  # the window, and block 0
+    take = max(0, max(1, budget_cells // BLOCK) - n_always)
+    for b in range(t, n_blocks, n_threads):
+        pick = 0
+        if b <= last:
+            if budget_cells == 0 or b == 0 or b >= first_window:
+                pick = 1
+            else:  # b's place among the other candidates, in a stable sort by score, high first
+                rank = 0
+                for c in range(1, first_window):
+                    if scores[0, c] > scores[0, b] or (scores[0, c] == scores[0, b] and c < b):
+                        rank += 1
+                pick = 1 if rank < take else 0
+        chosen[b] = pick
+    for j in range(t, out.shape[1], n_threads):
+        out[0, j] = -1
+    cuda.syncthreads()  # every flag and the padding written before the list is filled in
+    looked, missing = 0, 0
+    for b in range(t, n_blocks, n_threads):
+        if chosen[b] == 1:
+            place = 0
+            for c in range(b):
+                place += chosen[c]
+            out[0, place] = b
+            looked += 1
+            if page_table[b] < 0:
+                missing += 1
+    if looked > 0:
+        cuda.atomic.add(counts, 0, looked)
+        cuda.atomic.add(counts, 1, missing)
+    if t == 0:
+        cuda.atomic.add(counts, 2, 1)
+# --8<-- [end:select_blocks_kernel]
+
+
+def select_blocks(scores, q_pos, page_table, window_blocks: int, budget_cells: int, chosen, out, counts):
+    """Like select_blocks_ref, on the device (one decode query)."""
+    n_blocks = page_table.shape[0]
+    expect("scores", scores, np.float32, (1, n_blocks))
+    expect("q_pos", q_pos, np.int32, (1,))
+    expect("chosen", chosen, np.int32, (n_blocks,))
+    expect("out", out, np.int32, (1, None))
+    expect("counts", counts, np.int64, (3,))
+    with DeviceArgs() as dev:
+        select_blocks_kernel[1, THREADS, stream()](dev.read(scores), dev.read(q_pos), dev.read(page_table),
+                                                   np.int32(window_blocks), np.int32(budget_cells),
+                                                   dev.write(chosen), dev.write(out), dev.write(counts))

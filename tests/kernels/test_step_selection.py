@@ -1,0 +1,71 @@
+"""The two kernels that let a streamed or QSA decode step be replayed from a graph, against
+their references: select_blocks (QSA's picks, or every block up to the query, with the
+lookup counts) and map_ring (the ring follows the write), both byte for byte."""
+import numpy as np
+import pytest
+
+from strata_nb.kernels.map_ring import map_ring, map_ring_ref
+from strata_nb.kernels.select_blocks import select_blocks, select_blocks_ref
+from strata_nb.kv.select import select_blocks as host_select_blocks
+
+N_BLOCKS = 13
+
+
+def run_select(impl, scores, pos, page_table, window, budget, width):
+    chosen = np.full(N_BLOCKS, 7, np.int32)
+    out = np.full((1, width), 99, np.int32)
+    counts = np.array([5, 1, 2], np.int64)  # added to, not overwritten
+    impl(scores, np.array([pos], np.int32), page_table, window, budget, chosen, out, counts)
+    return chosen, out, counts
+
+
+# (position, window blocks, budget cells): candidates to rank, a window that reaches
+# block 0, a budget the window already fills, dense
+CASES = [(150, 2, 80), (200, 3, 64), (20, 4, 96), (150, 2, 32), (150, 2, 0), (7, 1, 48)]
+
+
+@pytest.mark.parametrize("pos, window, budget", CASES)
+def test_select_blocks_kernel_equals_ref(pos, window, budget):
+    rng = np.random.default_rng(pos + budget)
+    scores = rng.standard_normal((1, N_BLOCKS)).astype(np.float32)
+    scores[0, [2, 5, 7]] = 1.5  # ties: the lower block ranks first, as a stable sort
+    scores[0, 3] = -0.0
+    scores[0, 4] = 0.0
+    page_table = np.where(rng.random(N_BLOCKS) < 0.5, -1, rng.integers(0, 6, N_BLOCKS)).astype(np.int32)
+    width = N_BLOCKS if budget == 0 else max(max(1, budget // 16), window + 1)
+    want = run_select(select_blocks_ref, scores, pos, page_table, window, budget, width)
+    got = run_select(select_blocks, scores, pos, page_table, window, budget, width)
+    for w, g in zip(want, got):
+        assert w.tobytes() == g.tobytes()
+    sel = want[1][0][want[1][0] >= 0]
+    if budget:  # the reference is the host path's own choice
+        assert list(sel) == list(host_select_blocks(scores, np.array([pos]), window, budget)[0])
+    assert want[2][0] == 5 + len(sel) and want[2][1] == 1 + (page_table[sel] < 0).sum() and want[2][2] == 3
+
+
+def test_select_blocks_ranks_ties_by_block():
+    """Five candidates with one score, room for two: blocks 1 and 2, as a stable sort picks."""
+    scores = np.zeros((1, N_BLOCKS), np.float32)
+    _, out, _ = run_select(select_blocks, scores, 6 * 16, np.full(N_BLOCKS, -1, np.int32), 1, 64, 4)
+    assert list(out[0]) == [0, 1, 2, 6]
+
+
+def tables(n_ring=2, n_pool=3):
+    page_table = np.full(N_BLOCKS, -1, np.int32)
+    slot_block = np.full(n_ring + n_pool, -1, np.int32)
+    for block, slot in ((4, 0), (5, 1), (1, 2), (8, 4)):  # ring: 4, 5; pool: 1, 8
+        page_table[block], slot_block[slot] = slot, block
+    return page_table, slot_block
+
+
+@pytest.mark.parametrize("pos", [5 * 16 + 3, 6 * 16, 8 * 16, 0])  # mapped already; ring moves on; a block in
+def test_map_ring_kernel_equals_ref(pos):                          # the pool moves to the ring; block 0
+    want, got = tables(), tables()
+    map_ring_ref(np.array([pos], np.int32), *want, 2)
+    map_ring(np.array([pos], np.int32), *got, 2)
+    assert all(w.tobytes() == g.tobytes() for w, g in zip(want, got))
+    page_table, slot_block = want
+    block = pos // 16
+    assert page_table[block] == block % 2 and slot_block[block % 2] == block
+    for b in np.flatnonzero(page_table >= 0):  # still inverse maps
+        assert slot_block[page_table[b]] == b
