@@ -334,21 +334,27 @@ def make_matvec_kernel(part, nibbles, load_x, store_y, normed, x_rows, rows):
                                 total += w[k, j] * xs[j]
                             acc[k, r] = total
             # Sum the threads' partial sums: within each warp by shuffles, then the warps'
-            # sums in warp order, so the result never depends on timing.
+            # sums in warp order, so the result never depends on timing. A one-warp block
+            # (a short row; every block under the simulator) stores its sums directly: no
+            # barrier, which the simulator pays for dearly.
             for k in range(rows):
                 for r in range(x_rows):
                     if r < n:  # n is the same for every thread, so the reduction stays collective
                         total = warp_sum(acc[k, r])
-                        if lane == 0:
+                        if n_threads == WARP:
+                            if lane == 0 and o0 + k < n_out:
+                                store_y(y, r, o0 + k, total)
+                        elif lane == 0:
                             per_warp[warp, k, r] = total
-            cuda.syncthreads()
-            k, r = t // x_rows, t % x_rows  # thread t stores output (row k of W, row r of x)
-            if k < rows and r < n and o0 + k < n_out:
-                total = float32(0.0)
-                for v in range(n_threads // WARP):
-                    total += per_warp[v, k, r]
-                store_y(y, r, o0 + k, total)
-            cuda.syncthreads()  # per_warp is read before the next trip writes it
+            if n_threads > WARP:  # the same for every thread: the barriers stay collective
+                cuda.syncthreads()
+                k, r = t // x_rows, t % x_rows  # thread t stores output (row k of W, row r of x)
+                if k < rows and r < n and o0 + k < n_out:
+                    total = float32(0.0)
+                    for v in range(n_threads // WARP):
+                        total += per_warp[v, k, r]
+                    store_y(y, r, o0 + k, total)
+                cuda.syncthreads()  # per_warp is read before the next trip writes it
 
     return matvec_kernel
 
