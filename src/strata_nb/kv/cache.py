@@ -6,6 +6,10 @@ holds every block and is authoritative; the pool holds the ring (recent window) 
 slot pool (older blocks, CLOCK); a prompt chunk attends over a staging pool. The engine
 above only calls `append` and `attend`; both modes run the same kernels on the same bytes,
 so their attention outputs are bitwise equal.
+
+A decode step replayed from a CUDA graph passes its position in device memory. Then the
+ring moves and the blocks are selected on the device (`StepBlocks`), misses are read in
+place from the host copy, and the host takes the maps back before its next decision.
 """
 from __future__ import annotations
 
