@@ -21,7 +21,7 @@ class Settings:
     max_context: int | None = None  # cells per layer the KV cache holds; None = the model's trained context
     prefill_chunk: int = 256  # prompt tokens per forward pass
     fault: str = "none"  # teaching switch: drop-v-mirror reproduces the unfolded-V-half bug
-    graph: bool = True  # replay each decode step from a captured CUDA graph where it can (GPU, resident, dense)
+    graph: bool = True  # replay each decode step from a captured CUDA graph (on a GPU)
 
     def __post_init__(self):
         if self.kv not in FORMATS:

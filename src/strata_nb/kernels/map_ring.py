@@ -4,7 +4,8 @@ The ring holds the most recent `--kv-window` cells at `slot = block % n_ring`
 (kv/slots.py). On the host path `SlotTable.map_ring` points the ring at the block a write
 lands in, before the write. A step replayed from a CUDA graph knows its position only in
 device memory, so this kernel does the same re-pointing there, on the layer's two maps:
-the block's old slot and the slot's old block are unmapped, and the block takes the slot.
+the block's old slot and the slot's old block are unmapped, and the block takes the slot:
+the reference and the kernel both run kv/slots.py's `point`, the host's own step.
 
 A decode step writes one cell. It enters a new block at the block's first cell, so there
 is nothing older in that block to refill from the host copy. The host maps the first
@@ -18,6 +19,7 @@ from numba import cuda
 
 from strata_nb.kernels.launch import DeviceArgs, expect, stream
 from strata_nb.kv.formats import BLOCK
+from strata_nb.kv.slots import point
 
 
 # --8<-- [start:map_ring_ref]
@@ -26,34 +28,21 @@ def map_ring_ref(q_pos,       # (1,) int32: the cell the step writes
                  slot_block,  # (n_slots,) int32: slot -> block, -1 = free; updated
                  n_ring):     # int: ring slots
     block = int(q_pos[0]) // BLOCK
-    slot = block % n_ring
-    if page_table[block] == slot:
-        return
-    old = slot_block[slot]
-    if old >= 0:
-        page_table[old] = -1
-    prev = page_table[block]
-    if prev >= 0:
-        slot_block[prev] = -1
-    page_table[block], slot_block[slot] = slot, block
+    if page_table[block] != block % n_ring:
+        point(page_table, slot_block, block, block % n_ring)  # SlotTable.map_ring's own step
 # --8<-- [end:map_ring_ref]
 
 
 # --8<-- [start:map_ring_kernel]
+point_on_device = cuda.jit(device=True)(point)  # the host's own re-pointing, compiled for the GPU
+
+
 @cuda.jit
 def map_ring_kernel(q_pos, page_table, slot_block, n_ring):  # as map_ring_ref
     if cuda.grid(1) == 0:
         block = q_pos[0] // BLOCK
-        slot = block % n_ring
-        if page_table[block] != slot:
-            old = slot_block[slot]
-            if old >= 0:
-                page_table[old] = -1
-            prev = page_table[block]
-            if prev >= 0:
-                slot_block[prev] = -1
-            page_table[block] = slot
-            slot_block[slot] = block
+        if page_table[block] != block % n_ring:
+            point_on_device(page_table, slot_block, block, block % n_ring)
 # --8<-- [end:map_ring_kernel]
 
 

@@ -108,7 +108,6 @@ class StepBlocks:
             self.be.op("block_scores")(q, L.kmin, L.kmax, self.scores)
         self.be.op("select_blocks")(self.scores, pos, L.page_table, self.kv.window_blocks, self.kv.qsa_budget,
                                     self.chosen, self.blocks, self.counts)
-        self.kv._device_newer = True
         return self.blocks
 # --8<-- [end:step_blocks]
 
@@ -155,7 +154,7 @@ class KVCache:
     def append(self, layer: int, positions, k, v, prompt: bool):
         """k, v (n, n_kv, hd) float32 after RoPE, at `positions` (n,) -> the cache.
 
-        positions: NumPy int32, or a device array when `positions_on_device`."""
+        positions: NumPy int32, or a device array in a replayed decode step (DeviceStep)."""
         if "k" in rotates(self.fmt):
             k = self._hadamard(k)
         if "v" in rotates(self.fmt):
@@ -192,6 +191,8 @@ class KVCache:
         if not isinstance(positions, np.ndarray):  # positions in device memory: a replayable step
             assert self.step is not None and not prompt, "device positions are for a decode step on the cuda backend"
             blocks, src = self.step.select(L, q, positions), L  # misses are read in place
+            if not self.step.dense_resident:
+                self._device_newer = True  # the step counted its lookups on the device
         elif prompt:  # a prompt chunk reads every earlier cell: the pool, or the stage when streaming
             blocks, src = all_blocks_upto(positions), (self.stage if self.streamed else L)
         else:
@@ -203,7 +204,7 @@ class KVCache:
                 self._counters.copies += len(copies)
                 self._upload_table(L)
         out = self.be.empty(q.shape, np.float32)
-        # blocks go as they are (NumPy, or the device step's every_block): the cuda launcher
+        # blocks go as they are (NumPy, or the step's device list): the cuda launcher
         # looks at a NumPy selection to put queries that share it in one thread block
         self._attention(self.fmt, q, self.be.asarray(positions), blocks, src.page_table,
                         src.pool, src.host, out)

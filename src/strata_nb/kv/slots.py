@@ -45,6 +45,20 @@ class StreamCounters:
 # --8<-- [end:counters]
 
 
+# --8<-- [start:point]
+def point(page_table, slot_block, block: int, slot: int):
+    """Put `block` in `slot`: the slot's old block and the block's old slot are unmapped,
+    so the two maps stay inverse."""
+    old = slot_block[slot]
+    if old >= 0:
+        page_table[old] = -1
+    prev = page_table[block]
+    if prev >= 0:
+        slot_block[prev] = -1
+    page_table[block], slot_block[slot] = slot, block
+# --8<-- [end:point]
+
+
 # --8<-- [start:slot_table]
 class SlotTable:
     """One layer's maps. Invariant: page_table and slot_block are inverse where set."""
@@ -70,13 +84,7 @@ class SlotTable:
             self._point(b, b % self.n_ring)
 
     def _point(self, block: int, slot: int):
-        old = self.slot_block[slot]
-        if old >= 0:
-            self.page_table[old] = -1
-        prev = self.page_table[block]
-        if prev >= 0:
-            self.slot_block[prev] = -1
-        self.page_table[block], self.slot_block[slot] = slot, block
+        point(self.page_table, self.slot_block, block, slot)
 
     # --8<-- [start:map_ring]
     def map_ring(self, first_pos: int, last_pos: int) -> list[tuple[int, int]]:
