@@ -6,6 +6,8 @@ import pytest
 from numba import config, cuda
 
 from strata_nb.kernels.attention import ATOL, RTOL, attention, attention_ref, tile_for
+from strata_nb.kernels.attention_step import arrivals
+from strata_nb.kernels.hadamard import hadamard_ref
 from strata_nb.kernels.kv_append_fp16 import kv_append_fp16_ref
 from strata_nb.kernels.kv_append_k8v4 import kv_append_k8v4_ref
 from strata_nb.kernels.kv_append_q4 import kv_append_q4_ref
@@ -87,11 +89,38 @@ def test_kernel_matches_ref(fmt, n_queries):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_kernel_matches_ref_one_block_per_split(fmt, n_queries):
     """Every selected column its own split, padding columns too (a split that sees no
-    cell): the combine kernel merges up to 4 partial softmaxes per query and head."""
+    cell): the last split to finish merges up to 4 partial softmaxes per query and head."""
     pool, host = filled_cache(fmt, PAGE_TABLE, n_slots=4)
     args = (fmt, *queries(n_queries), PAGE_TABLE, pool, host)
     got = run(lambda *a: attention(*a, per_split=1), *args)
     np.testing.assert_allclose(got, run(attention_ref, *args), atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("tile", [1, 5])
+def test_rotate_out_is_hadamard_of_the_output(tile):
+    """rotate_out applies H where the output is written (the step kernel's merging block,
+    or after the tiled kernel's combine): the same bits as hadamard_ref on the output,
+    and the reference agrees within the tolerance."""
+    q_pos = np.arange(WRITTEN - 5, WRITTEN, dtype=np.int32)
+    blocks = all_blocks_upto(q_pos)
+    q = np.random.default_rng(4).standard_normal((len(q_pos), N_HEADS, HEAD_DIM), np.float32)
+    pool, host = filled_cache("k8v4", PAGE_TABLE, n_slots=4)
+    args = ("k8v4", q, q_pos, blocks, PAGE_TABLE, pool, host)
+    plain = run(lambda *a: attention(*a, tile=tile), *args)
+    rotated = run(lambda *a: attention(*a, rotate_out=True, tile=tile), *args)
+    np.testing.assert_array_equal(rotated, hadamard_ref(plain))
+    want = run(lambda *a: attention_ref(*a, rotate_out=True), *args)
+    np.testing.assert_allclose(rotated, want, atol=ATOL, rtol=RTOL)
+
+
+def test_step_kernel_leaves_its_tickets_at_zero():
+    """The split that arrives last merges and resets its counter, so the next launch (or
+    graph replay) starts from 0 and gives the same bits."""
+    pool, host = filled_cache("int8", PAGE_TABLE, n_slots=4)
+    args = ("int8", *queries(3), PAGE_TABLE, pool, host)
+    first = run(lambda *a: attention(*a, per_split=1), *args)
+    assert not arrivals(3, N_KV).copy_to_host().any()
+    np.testing.assert_array_equal(run(lambda *a: attention(*a, per_split=1), *args), first)
 
 
 def test_prompt_chunk_in_tiles():

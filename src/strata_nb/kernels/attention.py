@@ -37,17 +37,19 @@ import numpy as np
 from numba import config, cuda, float32
 
 from strata_nb.kernels.launch import DeviceArgs, device_empty, expect, expect_pool, host_or_absent, stream, view_bytes
-from strata_nb.kernels.quant_int8 import dequantize_int8_column, dequantize_int8_ref
-from strata_nb.kernels.quant_q4_0 import dequantize_q4_0_column, dequantize_q4_0_ref
+from strata_nb.kernels.attention_step import (HEAD_DIMS, K_TILE_VALUES, MAX_GROUP, MAX_SPLIT_BLOCKS,
+                                              STEP_BLOCKS_PER_SPLIT, STEP_KERNELS, STEP_THREADS, V_TILE_VALUES,
+                                              arrivals, padded_splits, record_width, score_parts)
+from strata_nb.kernels.kv_readers import READERS, SIDES
+from strata_nb.kernels.hadamard import N as HADAMARD_N
+from strata_nb.kernels.hadamard import hadamard, hadamard_ref
+from strata_nb.kernels.quant_int8 import dequantize_int8_ref
+from strata_nb.kernels.quant_q4_0 import dequantize_q4_0_ref
 from strata_nb.kv.formats import BLOCK, FORMATS, check_format, pool_arrays
 
 ATOL = 2e-5
 RTOL = 1e-4
 
-# How each format stores its (K, V) sides: "float" = fp32/fp16 values, "int8" = codes +
-# one fp16 scale per 64, "q4_0" = ggml blocks.
-SIDES = {"fp32": ("float", "float"), "fp16": ("float", "float"), "int8": ("int8", "int8"),
-         "q4_0": ("q4_0", "q4_0"), "k8v4": ("int8", "q4_0")}
 NEG_INF = np.float32(-np.inf)
 MAX_HEAD_DIM = 128  # shared tiles are sized at compile time: 2 x 16 x 128 floats = 16 KiB
 K_STRIDE = MAX_HEAD_DIM + 1  # the K tile's row stride: row c starts c banks further on
@@ -56,11 +58,14 @@ K_STRIDE = MAX_HEAD_DIM + 1  # the K tile's row stride: row c starts c banks fur
 # of K/V tiles and 3 KiB of weights, under the 48 KiB a block may have statically.
 MAX_TILE_ROWS = 48
 TILE_VALUES = 48 * 64
-# Selected blocks (64 cells) per thread block: 8K context = 128 splits on a GPU. Under the
+# Selected blocks per thread block of the tiled kernel, at least (4 = 64 cells). Under the
 # simulator every thread is a Python thread, so one split covers up to 64 blocks there
 # and a thread block has one warp; tests pass per_split=1 to exercise many splits.
 BLOCKS_PER_SPLIT = 64 if config.ENABLE_CUDASIM else 4
 THREADS = 32 if config.ENABLE_CUDASIM else 128
+# A prompt chunk's splits: about this many thread blocks in all (a few waves of the GPU),
+# so a 2,048-query chunk does not keep (query, head, split) partial sums for 4-block splits
+PROMPT_THREAD_BLOCKS = 2048
 MAX_COMBINE_GROUPS = 16  # thread rows of the combine kernel, each summing every 16th split
 # Under the simulator every thread is a Python thread: one row there (tests pass 4 to cover it)
 COMBINE_GROUPS = 1 if config.ENABLE_CUDASIM else MAX_COMBINE_GROUPS
@@ -104,12 +109,14 @@ def attention_ref(fmt,
                   page_table,  # (n_logical_blocks,) int32 slot, -1 = not resident
                   pool,        # {field: (n_slots, n_kv, 16, per_head)} as formats.pool_arrays
                   host,        # {field: (n_logical_blocks, n_kv, 16, per_head)}, or None
-                  out):        # (Q, H, D) float32, written
+                  out,         # (Q, H, D) float32, written
+                  rotate_out: bool = False):  # apply H to each output head row (a rotated V comes back)
     check_format(fmt, FORMATS)
     # Unwritten cells may hold any bytes (NaN, inf, huge): they are masked out below, so
     # the warnings their arithmetic raises on the way are noise.
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-        out[...] = attend_ref(fmt, q, q_pos, blocks, page_table, pool, host)
+        o = attend_ref(fmt, q, q_pos, blocks, page_table, pool, host)
+    out[...] = hadamard_ref(o) if rotate_out else o
 
 
 def attend_ref(fmt, q, q_pos, blocks, page_table, pool, host):
@@ -145,20 +152,6 @@ def attend_ref(fmt, q, q_pos, blocks, page_table, pool, host):
 # --8<-- [end:attention_ref]
 
 
-# --8<-- [start:attention_readers]
-# How the kernel reads value j of the 16 rows of block (or slot) r, KV head h, for each
-# way a side is stored. All take (array_a, array_b, r, h, j, out), so one kernel body
-# serves every format: (values, unused), (int8 codes, fp16 scales) or (q4_0 bytes, the
-# same bytes as float16). One call loads all 16 values into registers, with no store
-# to memory in between, so the loads are in flight together.
-@cuda.jit(device=True)
-def read_float_column(values, unused, r, h, j, out):
-    for c in range(out.shape[0]):
-        out[c] = float32(values[r, h, c, j])
-
-
-READERS = {"float": read_float_column, "int8": dequantize_int8_column, "q4_0": dequantize_q4_0_column}
-# --8<-- [end:attention_readers]
 
 
 # --8<-- [start:attention_kernel]
@@ -363,12 +356,16 @@ def tile_for(blocks, group: int, head_dim: int) -> int:
     return tile if bool(np.all((hi < 0) | (lo == hi))) else 1
 
 
-def attention(fmt, q, q_pos, blocks, page_table, pool, host, out, per_split: int = BLOCKS_PER_SPLIT,
-              combine_groups: int = COMBINE_GROUPS, tile: int | None = None):
+def attention(fmt, q, q_pos, blocks, page_table, pool, host, out, rotate_out: bool = False,
+              per_split: int | None = None, combine_groups: int = COMBINE_GROUPS, tile: int | None = None):
     """Like attention_ref, on the device; NumPy arguments are moved (out written back).
-    per_split: selected blocks per thread block, combine_groups: thread rows merging the
-    splits, tile: queries per thread block (default tile_for's choice); tests set them to
-    get many splits, several rows and tiles under the simulator."""
+
+    One query per thread block (a decode step, a verify window, queries whose selections
+    differ) runs attention_step_kernel; a prompt chunk's tiles run attention_kernel and
+    the combine. per_split: selected blocks per thread block (each kernel has its own
+    default), combine_groups: thread rows merging the tiled kernel's splits, tile: queries
+    per thread block (default tile_for's choice); tests set them to get many splits,
+    several rows and tiles under the simulator."""
     check_format(fmt, FORMATS)
     expect("q", q, np.float32, (None, None, None))
     n_q, n_heads, head_dim = q.shape
@@ -383,8 +380,7 @@ def attention(fmt, q, q_pos, blocks, page_table, pool, host, out, per_split: int
     assert head_dim <= MAX_HEAD_DIM, f"head_dim {head_dim} > {MAX_HEAD_DIM}, the shared tiles' width"
     assert group <= MAX_TILE_ROWS and group * head_dim <= TILE_VALUES, \
         f"{group} query heads of {head_dim} per KV head do not fit the shared rows"
-    combine_groups = min(combine_groups, 1024 // head_dim)  # at most 1024 threads a block
-    assert 1 <= combine_groups <= MAX_COMBINE_GROUPS, f"combine_groups {combine_groups} not in 1..{MAX_COMBINE_GROUPS}"
+    assert not rotate_out or head_dim % HADAMARD_N == 0, f"head_dim {head_dim} is not a multiple of {HADAMARD_N}"
     tile = tile_for(blocks, group, head_dim) if tile is None else tile
     assert 1 <= tile * group <= MAX_TILE_ROWS and tile * group * head_dim <= TILE_VALUES, f"tile {tile} too large"
     for spec in specs:
@@ -393,17 +389,38 @@ def attention(fmt, q, q_pos, blocks, page_table, pool, host, out, per_split: int
             for s in specs}
     if n_q == 0:
         return
-    n_splits = max(1, -(-blocks.shape[1] // per_split))
-    part_m = device_empty((n_q, n_heads, n_splits), np.float32)
-    part_l = device_empty((n_q, n_heads, n_splits), np.float32)
-    part_acc = device_empty((n_q, n_heads, n_splits, head_dim), np.float32)
     kind_k, kind_v = SIDES[fmt]
     with DeviceArgs() as dev:
+        sides = (*side_arrays(kind_k, "k", pool, dev), *side_arrays(kind_v, "v", pool, dev),
+                 *side_arrays(kind_k, "k", host, dev), *side_arrays(kind_v, "v", host, dev))
+        args = (dev.read(q), dev.read(q_pos), dev.read(blocks), dev.read(page_table), score_scale(head_dim))
+        if tile == 1:
+            fits = min(MAX_SPLIT_BLOCKS, K_TILE_VALUES // (BLOCK * (head_dim + 1)), V_TILE_VALUES // (BLOCK * head_dim))
+            per_split = min(STEP_BLOCKS_PER_SPLIT, fits) if per_split is None else per_split
+            assert 1 <= per_split <= fits, f"per_split {per_split} not in 1..{fits} (the shared tiles)"
+            assert group <= MAX_GROUP and head_dim in HEAD_DIMS, \
+                f"no step kernel for {group} query heads per KV head of {head_dim} (built: <= {MAX_GROUP}, {HEAD_DIMS})"
+            n_splits = padded_splits(blocks.shape[1], per_split, head_dim)
+            assert group * n_splits <= K_TILE_VALUES, f"{n_splits} splits: raise per_split for the merge's weights"
+            records = device_empty((n_q, n_kv, n_splits, group, record_width(head_dim)), np.float32)
+            parts = score_parts(per_split * BLOCK, head_dim)
+            STEP_KERNELS[fmt, group, head_dim][(n_q, n_kv, n_splits), STEP_THREADS, stream()](
+                *args, np.int32(per_split), np.int32(parts), np.int32(rotate_out), *sides, records,
+                arrivals(n_q, n_kv), dev.write(out))
+            return
+        if per_split is None:  # long prompt chunks have tiles enough to fill the GPU: fewer, longer splits
+            want = max(1, PROMPT_THREAD_BLOCKS // (-(-n_q // tile) * n_kv))
+            per_split = max(BLOCKS_PER_SPLIT, -(-blocks.shape[1] // want))
+        combine_groups = min(combine_groups, 1024 // head_dim)  # at most 1024 threads a block
+        assert 1 <= combine_groups <= MAX_COMBINE_GROUPS, f"combine_groups {combine_groups} not in 1..{MAX_COMBINE_GROUPS}"
+        n_splits = max(1, -(-blocks.shape[1] // per_split))
+        part_m = device_empty((n_q, n_heads, n_splits), np.float32)
+        part_l = device_empty((n_q, n_heads, n_splits), np.float32)
+        part_acc = device_empty((n_q, n_heads, n_splits, head_dim), np.float32)
         ATTENTION_KERNELS[fmt][(-(-n_q // tile), n_kv, n_splits), THREADS, stream()](
-            dev.read(q), dev.read(q_pos), dev.read(blocks), dev.read(page_table),
-            score_scale(head_dim), np.int32(per_split), np.int32(tile),
-            *side_arrays(kind_k, "k", pool, dev), *side_arrays(kind_v, "v", pool, dev),
-            *side_arrays(kind_k, "k", host, dev), *side_arrays(kind_v, "v", host, dev),
-            part_m, part_l, part_acc)
+            *args, np.int32(per_split), np.int32(tile), *sides, part_m, part_l, part_acc)
+        mixed = device_empty(out.shape, np.float32) if rotate_out else dev.write(out)
         attention_combine_kernel[(n_q, n_heads), (head_dim, combine_groups), stream()](
-            part_m, part_l, part_acc, dev.write(out))
+            part_m, part_l, part_acc, mixed)
+        if rotate_out:
+            hadamard(mixed, out=dev.write(out))

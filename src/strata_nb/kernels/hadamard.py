@@ -76,13 +76,16 @@ def hadamard_kernel(x,    # (rows, 64) float32
 # --8<-- [end:hadamard_kernel]
 
 
-def hadamard(x):
-    """Like hadamard_ref. x: (..., 64k) float32, NumPy or device; returns the same kind."""
+def hadamard(x, out=None):
+    """Like hadamard_ref. x: (..., 64k) float32, NumPy or device; returns the same kind,
+    or writes `out` (x's shape) when given."""
     *_, width = x.shape  # not x.shape[-1]: the simulator's device shapes refuse index -1
     assert x.dtype == np.float32, f"x is {x.dtype}, want float32"
     assert width % N == 0, f"last axis {width} is not a multiple of {N}"
     n_rows = x.size // N
-    out = np.empty(x.shape, np.float32) if is_host_numpy(x) else device_empty(x.shape, np.float32)
+    if out is None:
+        out = np.empty(x.shape, np.float32) if is_host_numpy(x) else device_empty(x.shape, np.float32)
+    assert out.shape == x.shape and out.dtype == np.float32, f"out is {out.shape} {out.dtype}, want {x.shape} float32"
     if n_rows == 0:
         return out
     with DeviceArgs() as dev:

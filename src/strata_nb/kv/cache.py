@@ -206,10 +206,10 @@ class KVCache:
         out = self.be.empty(q.shape, np.float32)
         # blocks go as they are (NumPy, or the step's device list): the cuda launcher
         # looks at a NumPy selection to put queries that share it in one thread block
+        # rotate_out: attention mixed rotated V rows, so H (= H^-1) brings the output back,
+        # applied by the kernel that writes it
         self._attention(self.fmt, q, self.be.asarray(positions), blocks, src.page_table,
-                        src.pool, src.host, out)
-        if "v" in rotates(self.fmt):
-            out = self._hadamard(out)  # attention mixed rotated V rows: rotate back once (H = H^-1)
+                        src.pool, src.host, out, rotate_out="v" in rotates(self.fmt))
         return out
     # --8<-- [end:attend]
 

@@ -1,0 +1,362 @@
+"""Attention for a decode step or a verify window: one query per thread block, the cells
+of a split spread over the block's threads, and the splits merged by the block that
+finishes last, so a layer's attention is one launch. Its reference is attention_ref
+(attention.py), which is also what `attention()` runs it against in the tests.
+
+Index legend as attention.py: Q queries, H query heads, G = H // n_kv query heads per
+KV head, D head_dim; a split is `per_split` consecutive columns of the selection, so
+C = per_split * 16 cells.
+
+Why a second kernel. The tiled kernel (attention.py) is built for prompt chunks, where
+a thread block holds up to 48 rows (16 queries x 3 heads) and walks its split's blocks
+one at a time. For one query it holds 3 rows, and every stage per KV block becomes one
+thread's chain: a 64-term dot per (row, cell), a 16-cell softmax per row, four barriers.
+On the H200 that cost 30-34 us a layer at any depth, more than all of a step's matrix
+products. Here every stage is spread over the block:
+
+    unpack    the split's K and V, dequantized into shared tiles: 16 values per
+              column read, neighbouring threads on neighbouring bytes, each byte once
+    scores    one (head, cell) pair per thread: C * G = 192 dots for 4 blocks
+    softmax   one warp per head: warp_max, then warp_sum of the exp weights
+    V sum     one (head, dim) output per thread, a sum over the C cells
+
+Merging the splits in the same launch. Each thread block writes its record (the G
+heads' weighted V sums, max m and sum l), makes it visible to the whole GPU
+(threadfence), and takes a ticket from the (query, KV head)'s counter in `arrivals`.
+The block that draws the last ticket merges every record in split order, exactly as a
+second combine launch would, writes the output and sets the counter back to 0 for the
+next launch or graph replay. One (query, KV head)'s records fill whole 128-byte lines
+(RECORD_PAD), so the merging block cannot hold another group's line in its L1 from an
+earlier read: its loads see what the other blocks wrote.
+
+With `rotate`, the merging block also applies the Hadamard transform to each head row
+(hadamard.py's butterflies, one pair per thread per round, the same additions in the
+same order: the same bits as hadamard_ref on the output), which is how a rotated V comes
+back without another launch.
+
+Tolerance against attention_ref: attention.py's ATOL and RTOL. The arithmetic differs
+from the reference only in the order of float32 sums (a 64-term dot per score, the split
+softmax, the merge) and in exp, as the tiled kernel's does.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import config, cuda, float32, int32
+
+from strata_nb.kernels.hadamard import N as HADAMARD_N
+from strata_nb.kernels.hadamard import SCALE as HADAMARD_SCALE
+from strata_nb.kernels.kv_readers import READERS, SIDES
+from strata_nb.kernels.launch import Capture
+from strata_nb.kernels.reduce import WARP, warp_max, warp_sum
+from strata_nb.kv.formats import BLOCK
+
+NEG_INF = np.float32(-np.inf)
+MAX_GROUP = 8  # query heads per KV head the shared arrays hold
+HEAD_DIMS = (32, 64, 128)  # head_dim is compiled into the kernel: these are built
+MAX_HEAD_DIM = 128
+Q_VALUES = MAX_GROUP * MAX_HEAD_DIM  # the G query rows of one KV head
+MAX_SPLIT_BLOCKS = 8
+MAX_SPLIT_CELLS = MAX_SPLIT_BLOCKS * BLOCK
+# The shared K and V tiles of a split, dequantized: 64 cells x 64 dims for the default
+# model (K rows padded by one value, so a warp scoring 32 cells reads 32 banks), 33 KiB.
+# After the scores the K tile holds the merge's split weights: G * n_splits of them.
+K_TILE_VALUES = 64 * 65
+V_TILE_VALUES = 64 * 64
+# A split of 4 blocks (64 cells) for 128 threads: two threads per cell, each scoring half
+# of D for all G heads; 8K context is 128 splits x 3 KV heads = 384 thread blocks, one
+# wave on 132 SMs. Under the simulator every thread is a Python thread: one warp there.
+STEP_BLOCKS_PER_SPLIT = 4
+STEP_THREADS = WARP if config.ENABLE_CUDASIM else 128
+SCORE_VALUES = MAX_GROUP * 128  # (part, head, cell) partial scores: parts * cells <= 128
+# Splits a merging thread loads before it adds them, so the loads are in flight together.
+# The simulator pads to 2, not 8: every padded split is 32 more Python threads there.
+MERGE_UNROLL = 2 if config.ENABLE_CUDASIM else 8
+RECORD_PAD = 32  # floats after a record's D sums: m, l, then padding to whole 128-byte lines
+
+
+def record_width(head_dim: int) -> int:
+    """Floats per (split, head) record: D sums, m, l, rounded up to whole 128-byte lines."""
+    return -(-(head_dim + 2) // RECORD_PAD) * RECORD_PAD
+
+
+def score_parts(cells: int, head_dim: int, n_threads: int = STEP_THREADS) -> int:
+    """Threads per cell in the scores: as many as the block has for the split's cells, a
+    power of two dividing head_dim."""
+    parts = 1
+    while parts * 2 * cells <= n_threads and head_dim % (parts * 2) == 0:
+        parts *= 2
+    return parts
+
+
+def split_lanes(head_dim: int, n_threads: int = STEP_THREADS) -> int:
+    """Threads per output dim in the V sums and the merge (each takes every lanes-th cell
+    or split): 2 for 128 threads and D = 64."""
+    return max(1, n_threads // head_dim)
+
+
+def padded_splits(n_columns: int, per_split: int, head_dim: int) -> int:
+    """Splits for n_columns selected blocks, rounded up so each merging thread's share is
+    whole rounds of MERGE_UNROLL (the extra splits see nothing: weight 0)."""
+    unit = split_lanes(head_dim) * MERGE_UNROLL
+    return -(-max(1, -(-n_columns // per_split)) // unit) * unit
+
+
+# --8<-- [start:attention_step_kernel]
+def make_attention_step_kernel(read_k, read_v, G, D):
+    """The kernel for one format (how it reads a column of K and of V: kv_readers.py), G
+    query heads per KV head and head_dim D. G and D are compiled in, so the loops over
+    heads unroll and a thread's G sums live in registers."""
+    LANES = split_lanes(D)
+
+    @cuda.jit
+    def attention_step_kernel(q,           # (Q, G * n_kv, D) float32
+                              q_pos,       # (Q,) int32
+                              blocks,      # (Q, S) int32, -1 = padding
+                              page_table,  # (n_logical_blocks,) int32
+                              scale,       # float32: 1 / sqrt(D)
+                              per_split,   # int32: selected blocks per split (its tiles fit the shared arrays)
+                              parts,       # int32: threads per cell scoring it (score_parts)
+                              rotate,      # int32: 1 = apply H to each output head row
+                              pool_ka, pool_kb, pool_va, pool_vb,  # K and V of the pool, by slot
+                              host_ka, host_kb, host_va, host_vb,  # the same by logical block, or (0, ...)
+                              records,     # (Q, n_kv, n_splits, G, record_width(D)) float32 scratch
+                              arrivals,    # (Q, n_kv) int32: 0 before the launch, 0 after it
+                              out):        # (Q, G * n_kv, D) float32, written
+        i, kv_h, split = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
+        t, n_threads = cuda.threadIdx.x, cuda.blockDim.x
+        warp, lane, n_warps = t // WARP, t % WARP, n_threads // WARP
+        n_splits = records.shape[2]
+        cells = per_split * BLOCK
+        pos = q_pos[i]
+        q_g = cuda.shared.array(Q_VALUES, float32)  # q_g[g * D + j]: head kv_h * G + g
+        k_tile = cuda.shared.array(K_TILE_VALUES, float32)  # k_tile[c * (D + 1) + j]: cell c of the split
+        v_tile = cuda.shared.array(V_TILE_VALUES, float32)  # v_tile[c * D + d]
+        dots = cuda.shared.array(SCORE_VALUES, float32)  # [(p * G + g) * cells + c] partial scores
+        weights = cuda.shared.array((MAX_GROUP, MAX_SPLIT_CELLS), float32)  # exp weights, -1 = masked
+        row = cuda.shared.array(MAX_SPLIT_BLOCKS, int32)  # column s is read at slot (or block) row[s]
+        from_host = cuda.shared.array(MAX_SPLIT_BLOCKS, int32)  # ... of the host copy when 1
+        start = cuda.shared.array(MAX_SPLIT_BLOCKS, int32)  # its first cell's position, -1 = unseen
+        top = cuda.shared.array(MAX_GROUP, float32)  # each head's max, then the merged max
+        total = cuda.shared.array(MAX_GROUP, float32)  # each head's sum of weights, then merged
+        is_last = cuda.shared.array(1, int32)
+        column = cuda.local.array(BLOCK, float32)  # value u of one block's 16 K (or V) rows
+        acc = cuda.local.array(G, float32)  # this thread's sum for each head (registers: G is fixed)
+        ahead = cuda.local.array((MERGE_UNROLL, G), float32)  # the merge's loads in flight
+
+        for e in range(t, G * D, n_threads):
+            q_g[e] = q[i, kv_h * G + e // D, e % D]
+        first = split * per_split
+        for s in range(t, per_split, n_threads):
+            b = blocks[i, first + s] if first + s < blocks.shape[1] else -1
+            seen = b >= 0 and b * BLOCK <= pos  # padding, or a block wholly after the query: unseen
+            slot = page_table[b] if seen else -1
+            start[s] = b * BLOCK if seen else -1
+            row[s] = slot if slot >= 0 else b
+            from_host[s] = 1 if slot < 0 else 0
+        cuda.syncthreads()
+
+        # Unpack: thread u of a column reads value u of the block's 16 K (or V) rows. All
+        # 16 cells, even those after the query (unwritten bytes, maybe NaN): their scores
+        # are never computed and their V never weighted.
+        for e in range(t, per_split * 2 * D, n_threads):
+            s, u = e // (2 * D), e % (2 * D)
+            if start[s] >= 0:
+                r = row[s]
+                if u < D:
+                    if from_host[s] == 1:
+                        read_k(host_ka, host_kb, r, kv_h, u, column)
+                    else:
+                        read_k(pool_ka, pool_kb, r, kv_h, u, column)
+                    for c in range(BLOCK):
+                        k_tile[(s * BLOCK + c) * (D + 1) + u] = column[c]
+                else:
+                    if from_host[s] == 1:
+                        read_v(host_va, host_vb, r, kv_h, u - D, column)
+                    else:
+                        read_v(pool_va, pool_vb, r, kv_h, u - D, column)
+                    for c in range(BLOCK):
+                        v_tile[(s * BLOCK + c) * D + u - D] = column[c]
+        cuda.syncthreads()
+
+        # Partial scores: thread (p, c) dots part p of cell c's K row with all G query rows
+        # (each K value read once for the G heads). Cells after the query are skipped.
+        span = D // parts
+        for e in range(t, parts * cells, n_threads):
+            p, c = e // cells, e % cells
+            s = c // BLOCK
+            if start[s] >= 0 and start[s] + c % BLOCK <= pos:
+                for g in range(G):
+                    acc[g] = float32(0.0)
+                for j in range(p * span, p * span + span):
+                    k = k_tile[c * (D + 1) + j]
+                    for g in range(G):
+                        acc[g] += q_g[g * D + j] * k
+                for g in range(G):
+                    dots[(p * G + g) * cells + c] = acc[g]
+        cuda.syncthreads()
+
+        # Softmax of each head over the split's cells, one warp per head (rounds of
+        # n_warps heads, so every warp reaches each reduction together). A masked cell's
+        # weight is -1 for every head: its V is never read.
+        for g0 in range(0, G, n_warps):
+            g = g0 + warp
+            m = NEG_INF
+            if g < G:
+                for c in range(lane, cells, WARP):
+                    x = NEG_INF
+                    if start[c // BLOCK] >= 0 and start[c // BLOCK] + c % BLOCK <= pos:
+                        x = float32(0.0)
+                        for p in range(parts):
+                            x += dots[(p * G + g) * cells + c]
+                        x *= scale
+                    weights[g, c] = x
+                    m = max(m, x)
+            m = warp_max(m)
+            l = float32(0.0)
+            if g < G:
+                for c in range(lane, cells, WARP):
+                    x = weights[g, c]
+                    if x > NEG_INF:
+                        x = math.exp(x - m)
+                        l += x
+                    else:
+                        x = float32(-1.0)
+                    weights[g, c] = x
+            l = warp_sum(l)
+            if g < G and lane == 0:
+                top[g], total[g] = m, l
+        cuda.syncthreads()
+
+        # This split's record: thread (lane_c, d) sums V[c, d] over every LANES-th cell for
+        # all G heads; the lanes' sums meet in shared memory (dots), added in lane order.
+        for e in range(t, LANES * D, n_threads):
+            lc, d = e // D, e % D
+            for g in range(G):
+                acc[g] = float32(0.0)
+            for c in range(lc, cells, LANES):
+                if weights[0, c] >= 0:  # a masked cell may hold NaN: 0 * NaN is NaN
+                    v = v_tile[c * D + d]
+                    for g in range(G):
+                        acc[g] += weights[g, c] * v
+            for g in range(G):
+                dots[(lc * G + g) * D + d] = acc[g]
+        cuda.syncthreads()
+        for e in range(t, G * D, n_threads):
+            g, d = e // D, e % D
+            x = float32(0.0)
+            for lc in range(LANES):
+                x += dots[(lc * G + g) * D + d]
+            records[i, kv_h, split, g, d] = x
+        for g in range(t, G, n_threads):
+            records[i, kv_h, split, g, D] = top[g]
+            records[i, kv_h, split, g, D + 1] = total[g]
+
+        # The ticket: every thread's writes reach the whole GPU before the count does.
+        cuda.threadfence()
+        cuda.syncthreads()
+        if t == 0:
+            is_last[0] = 1 if cuda.atomic.add(arrivals, (i, kv_h), 1) == n_splits - 1 else 0
+        cuda.syncthreads()
+        if is_last[0] == 0:
+            return
+        if t == 0:
+            arrivals[i, kv_h] = 0  # every block has arrived: ready for the next launch
+
+        # The merge, by the last block: each split's sums rescaled to the largest max. A
+        # split that saw no cell has m = -inf and l = sums = 0: weight 0. First each head's
+        # max, and the end of the splits that saw anything (a short context in a long list
+        # leaves most of them empty), one warp per head.
+        for g0 in range(0, G, n_warps):
+            g = g0 + warp
+            m, seen_end = NEG_INF, float32(0.0)
+            if g < G:
+                for s in range(lane, n_splits, WARP):
+                    m_s = records[i, kv_h, s, g, D]
+                    m = max(m, m_s)
+                    if m_s > NEG_INF:
+                        seen_end = float32(s + 1)
+            m = warp_max(m)
+            seen_end = warp_max(seen_end)
+            if g < G and lane == 0:
+                top[g], total[g] = m, seen_end
+        cuda.syncthreads()
+        unit = LANES * MERGE_UNROLL
+        end = 0
+        for g in range(G):
+            end = max(end, int(total[g]))
+        end = -(-end // unit) * unit  # whole rounds: n_splits is a multiple of unit
+        split_w = k_tile  # the tiles are done with: split s's weight for head g at [g * n_splits + s]
+        for e in range(t, G * n_splits, n_threads):
+            g, s = e // n_splits, e % n_splits
+            m = records[i, kv_h, s, g, D] if s < end else NEG_INF
+            split_w[e] = math.exp(m - top[g]) if m > NEG_INF else float32(0.0)
+        cuda.syncthreads()
+        for g0 in range(0, G, n_warps):
+            g = g0 + warp
+            l = float32(0.0)
+            if g < G:
+                for s in range(lane, end, WARP):
+                    l += records[i, kv_h, s, g, D + 1] * split_w[g * n_splits + s]
+            l = warp_sum(l)
+            if g < G and lane == 0:
+                total[g] = l
+        # Thread (lane_s, d) adds every LANES-th split for all G heads, MERGE_UNROLL splits
+        # at a time: their loads go out together.
+        for e in range(t, LANES * D, n_threads):
+            ls, d = e // D, e % D
+            for g in range(G):
+                acc[g] = float32(0.0)
+            for s0 in range(ls, end, unit):
+                for u in range(MERGE_UNROLL):
+                    for g in range(G):
+                        ahead[u, g] = records[i, kv_h, s0 + u * LANES, g, d]
+                for u in range(MERGE_UNROLL):
+                    for g in range(G):
+                        acc[g] += ahead[u, g] * split_w[g * n_splits + s0 + u * LANES]
+            for g in range(G):
+                dots[(ls * G + g) * D + d] = acc[g]
+        cuda.syncthreads()
+        merged = weights  # the merged head rows: merged[g, d]
+        for e in range(t, G * D, n_threads):
+            g, d = e // D, e % D
+            x = float32(0.0)
+            for ls in range(LANES):
+                x += dots[(ls * G + g) * D + d]
+            merged[g, d] = x / total[g] if total[g] > 0 else float32(0.0)
+        cuda.syncthreads()
+        if rotate == 1:  # hadamard.py's rounds: pair (j, j + h) of each 64 values -> (a + b, a - b)
+            h = 1
+            while h < HADAMARD_N:
+                for p in range(t, G * D // 2, n_threads):
+                    g, k = p // (D // 2), p % (D // 2)
+                    j = (k // h) * 2 * h + k % h
+                    a, b = merged[g, j], merged[g, j + h]
+                    merged[g, j], merged[g, j + h] = a + b, a - b
+                cuda.syncthreads()
+                h *= 2
+        for e in range(t, G * D, n_threads):
+            g, d = e // D, e % D
+            out[i, kv_h * G + g, d] = merged[g, d] * HADAMARD_SCALE if rotate == 1 else merged[g, d]
+
+    return attention_step_kernel
+# --8<-- [end:attention_step_kernel]
+
+
+# One kernel per (format, G, head_dim), made at import so a sm_90 compile can find them;
+# Numba compiles each on its first launch.
+STEP_KERNELS = {(fmt, g, d): make_attention_step_kernel(READERS[k], READERS[v], g, d)
+                for fmt, (k, v) in SIDES.items() for g in range(1, MAX_GROUP + 1) for d in HEAD_DIMS}
+
+
+_ARRIVALS: dict = {}
+
+
+def arrivals(n_q: int, n_kv: int):
+    """The (n_q, n_kv) int32 ticket counters: zeroed once, and every launch leaves them 0."""
+    key = (n_q, n_kv)
+    if key not in _ARRIVALS:
+        assert Capture.keep is None, "the ticket counters are made before a graph capture, not during"
+        _ARRIVALS[key] = cuda.to_device(np.zeros(key, np.int32))
+    return _ARRIVALS[key]
