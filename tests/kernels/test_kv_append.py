@@ -98,9 +98,10 @@ def test_host_absent_leaves_host_untouched_and_still_writes_the_pool(fmt):
 
 @pytest.mark.parametrize("fmt", ["int8", "q4_0"])
 def test_values_that_are_not_ordinary_byte_for_byte(fmt):
-    """The quantizing writers run their own device code (int8: a warp per group, its max
-    a warp_max): NaN, +-inf, values past fp16, tiny values, an all-zero head and exact
-    halves between codes give the reference's bytes. (fp16 stores NaN as it is, and a
+    """The quantizing writers run their own device code (a warp per group, its max a
+    warp_max): NaN, +-inf, values past fp16, tiny values, an all-zero head, zeros led by
+    -0.0, ties for the largest |x| and exact halves between codes give the reference's
+    bytes. (fp16 stores NaN as it is, and a
     GPU's NaN need not have NumPy's bits.)"""
     rng = np.random.default_rng(9)
     ref, kernel, fields = WRITERS[fmt]
@@ -108,6 +109,11 @@ def test_values_that_are_not_ordinary_byte_for_byte(fmt):
     k[0, 0, :6] = [np.nan, np.inf, -np.inf, 1e30, -3e-39, 2.0 ** -125]
     v[1, 0] = 0.0  # a whole head of zeros: scale 0, codes 0
     v[2, 1, :4] = [127.0, 63.5, -0.5, 1.5]  # max 127 -> scale 1: halves round to even
+    v[0, 1] = 0.0
+    v[0, 1, 0] = -0.0  # a block of zeros led by -0.0: q4_0's big keeps its sign, so d = +0.0
+    k[2, 1, :34] = 2.0
+    k[2, 1, 5] = -2.0  # ties for the largest |x|: q4_0's big is the first of them (+2)
+    k[2, 1, 32] = -2.0  # ... and in the second block a -2 before a +2
     pool0, host0 = random_bytes(rng, fmt, N_SLOTS), random_bytes(rng, fmt, N_BLOCKS)
     results = []
     for writer in (ref, kernel):

@@ -2,8 +2,8 @@
 
 The same writer as kv_append_fp16.py (read its docstring first): VRAM slot if resident,
 host copy if present, presence tested on the K-side host array (`host_k_q4`) alone. Each
-lane quantizes one 32-value block_q4_0 of one head of one cell, for K or for V, with
-quant_q4_0's device function, once into each destination. The values arrive already
+warp quantizes one 32-value block_q4_0 of one head of one cell, for K or for V, with
+quant_q4_0's device function (a lane per value), and writes it into each destination. The values arrive already
 rotated (hadamard.py): rotating is the caller's step, so this kernel only quantizes.
 
 k8v4 calls this with its V half FOLDED: `k_q4 = v_q4 = pool.v_q4`, `host_k_q4 =
@@ -19,8 +19,9 @@ from numba import cuda
 
 from strata_nb.kernels.launch import (DeviceArgs, expect_pool, expect_window, grid_for, host_or_absent,
                                       view_bytes)
-from strata_nb.kernels.quant_q4_0 import quantize_q4_0_group, quantize_q4_0_ref
-from strata_nb.kv.formats import BLOCK, Q4_GROUP, pool_arrays
+from strata_nb.kernels.quant_q4_0 import D_STRIDE, HALF, quantize_q4_0_lane, quantize_q4_0_ref
+from strata_nb.kernels.reduce import WARP
+from strata_nb.kv.formats import BLOCK, Q4_BYTES, Q4_GROUP, pool_arrays
 
 F16 = np.float16  # q4_0's d fields, read and written through a float16 view of the bytes
 
@@ -52,25 +53,35 @@ def kv_append_q4_kernel(k_new, v_new,   # (n, n_kv, head_dim) float32
                         k_q4, k_d,      # (n_slots, n_kv, 16, head_dim // 32 * 18) uint8, and the
                         v_q4, v_d,      #   same bytes as float16 (... * 9): d of block g at [9 * g]
                         host_k_q4, host_k_d, host_v_q4, host_v_d):  # the same by logical block, or (0, ...)
-    # One lane per (side, cell, head, 32-value block): a block shares one d, so its
-    # max|x| and its 16 code bytes belong to one thread. K lanes come first, then V lanes.
+    # One warp per (side, cell, head, 32-value block): a block shares one d, found by the
+    # warp together (quantize_q4_0_lane); lanes 0..15 write its 16 code bytes as one
+    # contiguous run, which matters most for the host copy across the bus. K warps come
+    # first, then V warps. Warps past the last block redo the last one without writing:
+    # warp_max needs every lane of the block.
     n, n_kv, head_dim = k_new.shape
     groups = head_dim // Q4_GROUP
     per_side = n * n_kv * groups
-    lane = cuda.grid(1)
-    if lane >= 2 * per_side:
-        return
-    side, rest = lane // per_side, lane % per_side
+    unit, lane = cuda.grid(1) // WARP, cuda.threadIdx.x % WARP
+    writes = unit < 2 * per_side
+    unit = min(unit, 2 * per_side - 1)
+    side, rest = unit // per_side, unit % per_side
     i, h, g = rest // (n_kv * groups), rest // groups % n_kv, rest % groups
     block, cell = positions[i] // BLOCK, positions[i] % BLOCK
     slot = page_table[block]
-    row = k_new[i, h] if side == 0 else v_new[i, h]  # (head_dim,) float32
-    if slot >= 0:
-        q4, d = (k_q4, k_d) if side == 0 else (v_q4, v_d)
-        quantize_q4_0_group(row, q4[slot, h, cell], d[slot, h, cell], g)
-    if host_k_q4.shape[0] > 0:  # presence is tested on the K side only, for both sides
+    byte, d = quantize_q4_0_lane(k_new[i, h] if side == 0 else v_new[i, h], g, lane)
+    at = g * Q4_BYTES + 2 + lane  # code byte `lane` of block g
+    if writes and slot >= 0:
+        q4, q4_d = (k_q4, k_d) if side == 0 else (v_q4, v_d)
+        if lane < HALF:
+            q4[slot, h, cell, at] = byte
+        if lane == 0:
+            q4_d[slot, h, cell, g * D_STRIDE] = d
+    if writes and host_k_q4.shape[0] > 0:  # presence is tested on the K side only, for both sides
         host_q4, host_d = (host_k_q4, host_k_d) if side == 0 else (host_v_q4, host_v_d)
-        quantize_q4_0_group(row, host_q4[block, h, cell], host_d[block, h, cell], g)
+        if lane < HALF:
+            host_q4[block, h, cell, at] = byte
+        if lane == 0:
+            host_d[block, h, cell, g * D_STRIDE] = d
 # --8<-- [end:kv_append_q4_kernel]
 
 
@@ -84,7 +95,7 @@ def kv_append_q4(k_new, v_new, positions, page_table, k_q4, v_q4, host_k_q4, hos
     host_v_q4 = host_or_absent("host_v_q4", host_v_q4, spec["v_q4"], n_kv)
     assert host_k_q4.shape[0] == 0 or host_v_q4.shape[0] > 0, \
         "host_k_q4 is present but host_v_q4 is absent: the V lanes would write outside it"
-    lanes = 2 * n * n_kv * (head_dim // Q4_GROUP)
+    lanes = 2 * n * n_kv * (head_dim // Q4_GROUP) * WARP
     if lanes == 0:
         return
     with DeviceArgs() as dev:
