@@ -26,15 +26,15 @@ def engine_options(f):
                      help="KV cells per layer (default: the model's trained context, 8192 for the default model)."),
         click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
                      help="cpu runs the NumPy references; cuda the Numba-CUDA kernels."),
-        click.option("--prefill-chunk", type=int, default=256, show_default=True,
-                     help="Prompt tokens per forward pass."),
+        click.option("--prefill-chunk", type=int, default=None,
+                     help="Prompt tokens per forward pass (default: 256 on the CPU, 2048 on a GPU)."),
         click.option("--kv-window", type=int, default=256, show_default=True,
                      help="Recent KV cells per layer held in the VRAM ring when streaming."),
         click.option("--qsa-budget", type=int, default=0, show_default=True,
                      help="KV cells a decode query reads, chosen by QSA block selection; 0 = all."),
         click.option("--graph/--no-graph", default=True, show_default=True,
                      help="On a GPU, capture a decode step into a CUDA graph once and replay it per token "
-                          "(fully resident KV, dense attention); --no-graph launches every kernel each step."),
+                          "(resident or streamed KV); --no-graph launches every kernel each step."),
         click.option("--fault", type=click.Choice(["none", "drop-v-mirror"]), default="none",
                      help="Teaching switch: drop-v-mirror makes the k8v4 V half skip the host copy "
                           "(the unfolded-half bug). Off by default."),

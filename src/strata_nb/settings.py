@@ -19,7 +19,7 @@ class Settings:
     qsa_budget: int = 0  # cells a query reads with block selection; 0 = every cell
     device: str = "auto"  # auto, cpu (the numpy backend), cuda
     max_context: int | None = None  # cells per layer the KV cache holds; None = the model's trained context
-    prefill_chunk: int = 256  # prompt tokens per forward pass
+    prefill_chunk: int | None = None  # prompt tokens per forward pass; None = the backend's (prefill_chunk)
     fault: str = "none"  # teaching switch: drop-v-mirror reproduces the unfolded-V-half bug
     graph: bool = True  # replay each decode step from a captured CUDA graph (on a GPU)
 
@@ -36,7 +36,7 @@ class Settings:
             raise StrataError(f"--kv-window must be a positive multiple of {BLOCK} cells, got {self.kv_window}")
         if self.qsa_budget < 0:
             raise StrataError(f"--qsa-budget must be 0 (read every cell) or a positive cell count, got {self.qsa_budget}")
-        if self.prefill_chunk < 1:
+        if self.prefill_chunk is not None and self.prefill_chunk < 1:
             raise StrataError(f"--prefill-chunk must be at least 1, got {self.prefill_chunk}")
         if self.fault not in FAULTS:
             raise StrataError(f"--fault {self.fault!r} is not one of {', '.join(FAULTS)}")

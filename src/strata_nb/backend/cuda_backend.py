@@ -34,6 +34,9 @@ class DeviceMatrix:
 
 class CudaBackend:
     name = "cuda"
+    # Prompt tokens per forward pass unless --prefill-chunk says otherwise: each launch
+    # costs ~0.2 ms of Python, and a chunk is ~400 launches, so chunks are long here
+    prefill_chunk = 2048
     device = "cuda"
 
     def zeros(self, shape, dtype):

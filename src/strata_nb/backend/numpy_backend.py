@@ -18,6 +18,7 @@ from ..model.dequant import dequantize
 
 class NumpyBackend:
     name = "numpy"
+    prefill_chunk = 256  # prompt tokens per forward pass unless --prefill-chunk says otherwise
     device = "cpu"
 
     def __init__(self):

@@ -51,6 +51,8 @@ class Engine:
         self.config = model.config
         if settings.max_context is None:
             settings.max_context = self.config.context_length
+        if settings.prefill_chunk is None:
+            settings.prefill_chunk = be.prefill_chunk
         if settings.max_context > self.config.context_length:
             raise StrataError(f"--max-context {settings.max_context} exceeds the model's trained context "
                               f"of {self.config.context_length}")

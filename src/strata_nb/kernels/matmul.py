@@ -3,34 +3,32 @@
 Index legend: n activation rows (> 8), in = the row length of x and W, out = rows of W.
 
 matvec.py reads every weight once per call and is bound by that read. With n rows a
-matvec would read W n/8 times; here a thread block computes a 32 x 32 tile of y (32 rows
-of W against 32 rows of x) and walks `in` 128 values (4 quantization blocks) at a time:
+matvec would read W n/8 times; here a thread block computes a 64 x 64 tile of y (64 rows
+of W against 64 rows of x) and walks `in` one quantization block (32 values) at a time:
 
-1. its 128 threads dequantize the tile's 32 weight rows x 128 values into shared memory,
-   four parts of 8 values each, with matvec's dequantizers; neighbouring threads take
-   neighbouring parts of a row, so the warp's loads are one contiguous run (coalesced),
-   and each weight is read from global memory once per 32 rows of x, not once per row;
-2. they load the matching 32 x 128 values of x into shared memory the same way;
-3. after a barrier, thread (tx, ty) adds 128 products to each of its 8 outputs:
-   row tx of W against rows ty, ty + 4, ..., ty + 28 of x. The weight tile has
-   129 columns so that the 32 lanes of a warp, reading column k of 32 different rows,
-   hit 32 different shared-memory banks; the x values are the same for the whole warp
-   (one broadcast).
+1. its 256 threads dequantize the tile's 64 weight rows x 32 values into shared memory,
+   one part of 8 values each, with matvec's dequantizers: each weight is read from
+   global memory once per 64 rows of x, not once per row;
+2. they load the matching 64 x 32 values of x the same way, neighbouring threads on
+   neighbouring values (coalesced);
+3. after a barrier, thread (tx, ty) owns a 4 x 4 block of outputs: rows tx, tx + 16,
+   tx + 32, tx + 48 of W against rows ty, ty + 16, ... of x. Per value k it loads 4
+   weights and 4 x values from shared memory into registers and makes 16 multiply-adds
+   from them: a register tile, so shared memory serves 2 loads per multiply-add's
+   worth of 4. Both tiles are stored k-major with rows padded to 65: the 16 lanes
+   reading 16 neighbouring rows hit 16 different banks, and a warp's two ty values
+   read the same x addresses (one broadcast).
 
-A second barrier keeps the next step's writes from overtaking this step's reads. 128
-values a step rather than 32 means a quarter of the barriers (which also makes the
-kernel affordable under the simulator, where a barrier wakes every thread of the block
-in turn). Parts past the end of the row or of W are zeros.
+A second barrier keeps the next step's writes from overtaking this step's reads. Rows
+past the end of W or x are zeros.
 
 Tolerance: as matvec.py (`dot_tolerance`). Each output is a float32 sum of `in` products
 added one after another (the zeros add nothing), the reference's is in BLAS's order;
 both are within (in + 1) u sum_i |x_i w_i| of the exact value, so within
 2 (in + 1) u sum_i |x_i| |w_i| of each other.
 
-Known limit: each thread loads 9 shared values (one weight, 8 broadcast x values) for 8
-multiply-adds, so the kernel is bound by shared-memory traffic, far from the tensor
-cores; register tiles of several weight rows per thread (and a 64 x 64 tile) are the
-next step on a GPU.
+Known limit: float32 multiply-adds on the SMs' CUDA cores, far from the tensor cores
+(which Numba does not reach).
 """
 from __future__ import annotations
 
@@ -40,12 +38,11 @@ from numba import cuda, float32
 from strata_nb.kernels.launch import DeviceArgs, expect, stream
 from strata_nb.kernels.matvec import PART, PARTS, QK, QTYPES, matvec_ref, part_runs, row_bytes, weight_views
 
-TILE = 32  # rows of W and rows of x per thread block
-TILE_K = 4 * QK  # values of the row per step: 4 quantization blocks
-W_PITCH = TILE_K + 1  # the weight tile's row length in shared memory: one pad column
-THREADS_Y = 4  # the block is (32, 4) threads
-THREADS = TILE * THREADS_Y
-ROWS_PER_THREAD = TILE // THREADS_Y  # 8 rows of x per thread
+TILE = 64  # rows of W and rows of x per thread block
+PITCH = TILE + 1  # the shared tiles' row length: one pad column against bank conflicts
+SIDE = 16  # the block is (16, 16) threads
+THREADS = SIDE * SIDE
+PER_THREAD = TILE // SIDE  # each thread: 4 rows of W x 4 rows of x
 
 
 # --8<-- [start:matmul_ref]
@@ -64,49 +61,52 @@ def make_matmul_kernel(part, nibbles):
                       b,  # (out, *) view b of the same bytes
                       y):  # (n, out) float32, written
         tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
-        t = ty * TILE + tx
+        t = ty * SIDE + tx
         o0, i0 = cuda.blockIdx.x * TILE, cuda.blockIdx.y * TILE  # first row of W, of x
         n, n_in = x.shape
         n_out, n_blocks = y.shape[1], n_in // QK
-        w_tile = cuda.shared.array((TILE, W_PITCH), float32)  # (32 rows of W, 128 values + 1 pad)
-        x_tile = cuda.shared.array((TILE, TILE_K), float32)  # (32 rows of x, 128 values)
+        w_tile = cuda.shared.array((QK, PITCH), float32)  # w_tile[k, r]: value k of W row o0 + r
+        x_tile = cuda.shared.array((QK, PITCH), float32)  # x_tile[k, i]: value k of x row i0 + i
         w = cuda.local.array(PART, float32)
-        acc = cuda.local.array(ROWS_PER_THREAD, float32)
-        for m in range(ROWS_PER_THREAD):
-            acc[m] = float32(0.0)
+        w_reg = cuda.local.array(PER_THREAD, float32)
+        x_reg = cuda.local.array(PER_THREAD, float32)
+        acc = cuda.local.array((PER_THREAD, PER_THREAD), float32)  # acc[r, m]: W row tx + 16 r, x row ty + 16 m
+        for r in range(PER_THREAD):
+            for m in range(PER_THREAD):
+                acc[r, m] = float32(0.0)
+        row, p = t // PARTS, t % PARTS  # the weight part this thread dequantizes: 64 rows x 4 parts
+        lo, hi = part_runs(nibbles, p)
 
-        for k0 in range(0, n_in, TILE_K):
-            for e in range(t, TILE * TILE_K // PART, THREADS):  # 512 parts: 4 per thread
-                row, q = e // (TILE_K // PART), e % (TILE_K // PART)  # q: part of the row in this step
-                blk, p = k0 // QK + q // PARTS, q % PARTS
-                if o0 + row < n_out and blk < n_blocks:
-                    part(a[o0 + row], b[o0 + row], blk, p, w)
-                else:
-                    for j in range(PART):
-                        w[j] = float32(0.0)
-                lo, hi = part_runs(nibbles, p)
-                base = q // PARTS * QK  # the block's first column in the tile
-                for j in range(4):
-                    w_tile[row, base + lo + j] = w[j]
-                    w_tile[row, base + hi + j] = w[4 + j]
-            for e in range(t, TILE * TILE_K, THREADS):  # 32 values of x per thread
-                i, k = e // TILE_K, e % TILE_K
-                inside = i0 + i < n and k0 + k < n_in
-                x_tile[i, k] = x[i0 + i, k0 + k] if inside else float32(0.0)
+        for blk in range(n_blocks):
+            if o0 + row < n_out:
+                part(a[o0 + row], b[o0 + row], blk, p, w)
+            else:
+                for j in range(PART):
+                    w[j] = float32(0.0)
+            for j in range(4):
+                w_tile[lo + j, row] = w[j]
+                w_tile[hi + j, row] = w[4 + j]
+            for e in range(t, TILE * QK, THREADS):  # 8 values of x per thread
+                i, k = e // QK, e % QK
+                x_tile[k, i] = x[i0 + i, blk * QK + k] if i0 + i < n else float32(0.0)
             cuda.syncthreads()  # both tiles complete before anyone multiplies
 
-            for k in range(TILE_K):
-                wk = w_tile[tx, k]
-                for m in range(ROWS_PER_THREAD):
-                    if i0 + ty + THREADS_Y * m < n:  # the same for the whole warp: no divergence
-                        acc[m] += x_tile[ty + THREADS_Y * m, k] * wk
+            for k in range(QK):
+                for r in range(PER_THREAD):
+                    w_reg[r] = w_tile[k, tx + SIDE * r]
+                for m in range(PER_THREAD):
+                    x_reg[m] = x_tile[k, ty + SIDE * m]
+                for r in range(PER_THREAD):
+                    for m in range(PER_THREAD):
+                        acc[r, m] += x_reg[m] * w_reg[r]
             cuda.syncthreads()  # everyone is done with the tiles before they are refilled
 
-        o = o0 + tx
-        for m in range(ROWS_PER_THREAD):
-            i = i0 + ty + THREADS_Y * m
-            if o < n_out and i < n:
-                y[i, o] = acc[m]
+        for m in range(PER_THREAD):
+            i = i0 + ty + SIDE * m
+            for r in range(PER_THREAD):
+                o = o0 + tx + SIDE * r
+                if o < n_out and i < n:
+                    y[i, o] = acc[r, m]
 
     return matmul_kernel
 
@@ -128,4 +128,4 @@ def matmul(x, raw, qtype, y):
     grid = (-(-n_out // TILE), -(-n // TILE))
     with DeviceArgs() as dev:
         a, b = weight_views(dev.read(raw), qtype)
-        MATMUL_KERNELS[qtype][grid, (TILE, THREADS_Y), stream()](dev.read(x), a, b, dev.write(y))
+        MATMUL_KERNELS[qtype][grid, (SIDE, SIDE), stream()](dev.read(x), a, b, dev.write(y))
