@@ -37,9 +37,7 @@ import numpy as np
 from numba import config, cuda, float32
 
 from strata_nb.kernels.launch import DeviceArgs, device_empty, expect, expect_pool, host_or_absent, stream, view_bytes
-from strata_nb.kernels.attention_step import (HEAD_DIMS, K_TILE_VALUES, MAX_GROUP, MAX_SPLIT_BLOCKS,
-                                              STEP_BLOCKS_PER_SPLIT, STEP_KERNELS, STEP_THREADS, V_TILE_VALUES,
-                                              arrivals, padded_splits, record_width, score_parts)
+from strata_nb.kernels.attention_step import attention_step
 from strata_nb.kernels.kv_readers import READERS, SIDES
 from strata_nb.kernels.hadamard import N as HADAMARD_N
 from strata_nb.kernels.hadamard import hadamard, hadamard_ref
@@ -150,8 +148,6 @@ def attend_ref(fmt, q, q_pos, blocks, page_table, pool, host):
     o = np.where(total > 0, mixed / total, np.float32(0))
     return o.transpose(1, 0, 2, 3).reshape(n_q, n_heads, head_dim)
 # --8<-- [end:attention_ref]
-
-
 
 
 # --8<-- [start:attention_kernel]
@@ -395,18 +391,7 @@ def attention(fmt, q, q_pos, blocks, page_table, pool, host, out, rotate_out: bo
                  *side_arrays(kind_k, "k", host, dev), *side_arrays(kind_v, "v", host, dev))
         args = (dev.read(q), dev.read(q_pos), dev.read(blocks), dev.read(page_table), score_scale(head_dim))
         if tile == 1:
-            fits = min(MAX_SPLIT_BLOCKS, K_TILE_VALUES // (BLOCK * (head_dim + 1)), V_TILE_VALUES // (BLOCK * head_dim))
-            per_split = min(STEP_BLOCKS_PER_SPLIT, fits) if per_split is None else per_split
-            assert 1 <= per_split <= fits, f"per_split {per_split} not in 1..{fits} (the shared tiles)"
-            assert group <= MAX_GROUP and head_dim in HEAD_DIMS, \
-                f"no step kernel for {group} query heads per KV head of {head_dim} (built: <= {MAX_GROUP}, {HEAD_DIMS})"
-            n_splits = padded_splits(blocks.shape[1], per_split, head_dim)
-            assert group * n_splits <= K_TILE_VALUES, f"{n_splits} splits: raise per_split for the merge's weights"
-            records = device_empty((n_q, n_kv, n_splits, group, record_width(head_dim)), np.float32)
-            parts = score_parts(per_split * BLOCK, head_dim)
-            STEP_KERNELS[fmt, group, head_dim][(n_q, n_kv, n_splits), STEP_THREADS, stream()](
-                *args, np.int32(per_split), np.int32(parts), np.int32(rotate_out), *sides, records,
-                arrivals(n_q, n_kv), dev.write(out))
+            attention_step(fmt, n_kv, args, sides, dev.write(out), rotate_out, per_split)
             return
         if per_split is None:  # long prompt chunks have tiles enough to fill the GPU: fewer, longer splits
             want = max(1, PROMPT_THREAD_BLOCKS // (-(-n_q // tile) * n_kv))

@@ -45,10 +45,9 @@ import math
 import numpy as np
 from numba import config, cuda, float32, int32
 
-from strata_nb.kernels.hadamard import N as HADAMARD_N
-from strata_nb.kernels.hadamard import SCALE as HADAMARD_SCALE
+from strata_nb.kernels.hadamard import fwht64_rows
 from strata_nb.kernels.kv_readers import READERS, SIDES
-from strata_nb.kernels.launch import Capture
+from strata_nb.kernels.launch import Capture, device_empty, stream
 from strata_nb.kernels.reduce import WARP, warp_max, warp_sum
 from strata_nb.kv.formats import BLOCK
 
@@ -140,6 +139,7 @@ def make_attention_step_kernel(read_k, read_v, G, D):
         start = cuda.shared.array(MAX_SPLIT_BLOCKS, int32)  # its first cell's position, -1 = unseen
         top = cuda.shared.array(MAX_GROUP, float32)  # each head's max, then the merged max
         total = cuda.shared.array(MAX_GROUP, float32)  # each head's sum of weights, then merged
+        seen_end = cuda.shared.array(MAX_GROUP, int32)  # the merge: 1 + the last split each head saw
         is_last = cuda.shared.array(1, int32)
         column = cuda.local.array(BLOCK, float32)  # value u of one block's 16 K (or V) rows
         acc = cuda.local.array(G, float32)  # this thread's sum for each head (registers: G is fixed)
@@ -270,22 +270,22 @@ def make_attention_step_kernel(read_k, read_v, G, D):
         # leaves most of them empty), one warp per head.
         for g0 in range(0, G, n_warps):
             g = g0 + warp
-            m, seen_end = NEG_INF, float32(0.0)
+            m, last_seen = NEG_INF, float32(0.0)
             if g < G:
                 for s in range(lane, n_splits, WARP):
                     m_s = records[i, kv_h, s, g, D]
                     m = max(m, m_s)
                     if m_s > NEG_INF:
-                        seen_end = float32(s + 1)
+                        last_seen = float32(s + 1)
             m = warp_max(m)
-            seen_end = warp_max(seen_end)
+            last_seen = warp_max(last_seen)  # a float: the warp reductions take float32
             if g < G and lane == 0:
-                top[g], total[g] = m, seen_end
+                top[g], seen_end[g] = m, int(last_seen)
         cuda.syncthreads()
         unit = LANES * MERGE_UNROLL
         end = 0
         for g in range(G):
-            end = max(end, int(total[g]))
+            end = max(end, seen_end[g])
         end = -(-end // unit) * unit  # whole rounds: n_splits is a multiple of unit
         split_w = k_tile  # the tiles are done with: split s's weight for head g at [g * n_splits + s]
         for e in range(t, G * n_splits, n_threads):
@@ -326,19 +326,11 @@ def make_attention_step_kernel(read_k, read_v, G, D):
                 x += dots[(ls * G + g) * D + d]
             merged[g, d] = x / total[g] if total[g] > 0 else float32(0.0)
         cuda.syncthreads()
-        if rotate == 1:  # hadamard.py's rounds: pair (j, j + h) of each 64 values -> (a + b, a - b)
-            h = 1
-            while h < HADAMARD_N:
-                for p in range(t, G * D // 2, n_threads):
-                    g, k = p // (D // 2), p % (D // 2)
-                    j = (k // h) * 2 * h + k % h
-                    a, b = merged[g, j], merged[g, j + h]
-                    merged[g, j], merged[g, j + h] = a + b, a - b
-                cuda.syncthreads()
-                h *= 2
+        if rotate == 1:
+            fwht64_rows(merged, G, D, t, n_threads)
         for e in range(t, G * D, n_threads):
             g, d = e // D, e % D
-            out[i, kv_h * G + g, d] = merged[g, d] * HADAMARD_SCALE if rotate == 1 else merged[g, d]
+            out[i, kv_h * G + g, d] = merged[g, d]
 
     return attention_step_kernel
 # --8<-- [end:attention_step_kernel]
@@ -348,6 +340,27 @@ def make_attention_step_kernel(read_k, read_v, G, D):
 # Numba compiles each on its first launch.
 STEP_KERNELS = {(fmt, g, d): make_attention_step_kernel(READERS[k], READERS[v], g, d)
                 for fmt, (k, v) in SIDES.items() for g in range(1, MAX_GROUP + 1) for d in HEAD_DIMS}
+
+
+def attention_step(fmt, n_kv, args, sides, out, rotate_out: bool, per_split: int | None):
+    """Launch the step kernel; attention() has checked the arrays and moved them.
+    args: (q, q_pos, blocks, page_table, scale), sides: the eight pool and host arrays
+    (attention.py: side_arrays), out: the device output. per_split None = the default."""
+    q, blocks = args[0], args[2]
+    n_q, n_heads, head_dim = q.shape
+    group = n_heads // n_kv
+    fits = min(MAX_SPLIT_BLOCKS, K_TILE_VALUES // (BLOCK * (head_dim + 1)), V_TILE_VALUES // (BLOCK * head_dim))
+    per_split = min(STEP_BLOCKS_PER_SPLIT, fits) if per_split is None else per_split
+    assert 1 <= per_split <= fits, f"per_split {per_split} not in 1..{fits} (the shared tiles)"
+    assert group <= MAX_GROUP and head_dim in HEAD_DIMS, \
+        f"no step kernel for {group} query heads per KV head of {head_dim} (built: <= {MAX_GROUP}, {HEAD_DIMS})"
+    n_splits = padded_splits(blocks.shape[1], per_split, head_dim)
+    assert group * n_splits <= K_TILE_VALUES, f"{n_splits} splits: raise per_split for the merge's weights"
+    records = device_empty((n_q, n_kv, n_splits, group, record_width(head_dim)), np.float32)
+    parts = score_parts(per_split * BLOCK, head_dim)
+    STEP_KERNELS[fmt, group, head_dim][(n_q, n_kv, n_splits), STEP_THREADS, stream()](
+        *args, np.int32(per_split), np.int32(parts), np.int32(rotate_out), *sides, records,
+        arrivals(n_q, n_kv), out)
 
 
 _ARRIVALS: dict = {}

@@ -58,6 +58,28 @@ def fwht64(row):
         h *= 2
     for j in range(N):
         row[j] = row[j] * SCALE
+
+
+@cuda.jit(device=True)
+def fwht64_rows(rows, n_rows, width, t, n_threads):
+    """Transform rows[r, :width] in place for r < n_rows, every 64 values: rows is a 2-D
+    shared array, and every thread of the block calls this together (thread t of
+    n_threads). fwht64's rounds with one butterfly per thread per round and a barrier
+    between rounds: the same additions in the same order, so the same bits."""
+    h = 1
+    while h < N:
+        for p in range(t, n_rows * width // 2, n_threads):
+            r, k = p // (width // 2), p % (width // 2)
+            j = (k // h) * 2 * h + k % h  # pair (j, j + h) of its run of 2h values
+            a = rows[r, j]
+            b = rows[r, j + h]
+            rows[r, j] = a + b
+            rows[r, j + h] = a - b
+        cuda.syncthreads()
+        h *= 2
+    for e in range(t, n_rows * width, n_threads):
+        rows[e // width, e % width] *= SCALE
+    cuda.syncthreads()
 # --8<-- [end:fwht64]
 
 

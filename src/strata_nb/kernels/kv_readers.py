@@ -1,11 +1,7 @@
-"""How the attention kernels read one side (K or V) of a KV block, for each format.
-
-A format stores each side one of three ways: "float" (fp32/fp16 values), "int8" (codes
-and one fp16 scale per 64 values) or "q4_0" (ggml blocks). A reader takes
-(array_a, array_b, r, h, j, out): (values, unused), (int8 codes, fp16 scales) or (q4_0
-bytes, the same bytes as float16), so one kernel body serves every format and Numba
-compiles one kernel per (K reader, V reader) pair.
-"""
+"""How the attention kernels (attention.py, attention_step.py) read one side (K or V) of
+a KV block, for each format: "float" (fp32/fp16 values), "int8" (codes and one fp16
+scale per 64 values) or "q4_0" (ggml blocks). Numba compiles one kernel per (K reader,
+V reader) pair."""
 from __future__ import annotations
 
 from numba import cuda, float32
