@@ -15,7 +15,7 @@ from strata_nb.kernels.kv_append_q8 import kv_append_q8_ref
 from strata_nb.kernels.quant_int8 import dequantize_int8_ref
 from strata_nb.kernels.quant_q4_0 import dequantize_q4_0_ref
 from strata_nb.kv.formats import BLOCK, FORMATS, pool_arrays
-from strata_nb.kv.select import all_blocks_upto
+from strata_nb.kv.select import all_blocks_upto, shared_blocks_upto
 
 # The simulator runs every CUDA thread as a Python thread: 6 query heads on 3 KV heads
 # there (still GQA), the default model's 9 on 3 on a GPU.
@@ -124,18 +124,34 @@ def test_step_kernel_leaves_its_tickets_at_zero():
 
 
 def test_prompt_chunk_in_tiles():
-    """A prompt chunk's selection (all_blocks_upto: each query its blocks so far, -1 after):
-    several queries share each thread block, the last tile partly filled, over several
-    splits merged by several combine rows."""
+    """A prompt chunk's selection, as each query's row (all_blocks_upto: its blocks so far,
+    -1 after) and as one row every query shares (shared_blocks_upto, what the cache sends:
+    the positions mask the rest): several queries share each thread block, the last tile
+    partly filled, over several splits (one of them a part round) merged by several
+    combine rows."""
     q_pos = np.arange(WRITTEN - 13, WRITTEN, dtype=np.int32)  # 78..90: blocks 4 and 5
-    blocks = all_blocks_upto(q_pos)
-    assert tile_for(blocks, N_HEADS // N_KV, HEAD_DIM) == len(q_pos)
+    assert tile_for(all_blocks_upto(q_pos), N_HEADS // N_KV, HEAD_DIM) == len(q_pos)
+    assert tile_for(shared_blocks_upto(q_pos), N_HEADS // N_KV, HEAD_DIM, len(q_pos)) == len(q_pos)
     q = np.random.default_rng(3).standard_normal((len(q_pos), N_HEADS, HEAD_DIM), np.float32)
-    for fmt in ("fp16", "k8v4"):
+    for fmt, blocks in (("fp16", all_blocks_upto(q_pos)), ("k8v4", shared_blocks_upto(q_pos))):
         pool, host = filled_cache(fmt, PAGE_TABLE, n_slots=4)
         args = (fmt, q, q_pos, blocks, PAGE_TABLE, pool, host)
+        want = run(attention_ref, *args)
+        np.testing.assert_array_equal(want, run(attention_ref, fmt, q, q_pos, all_blocks_upto(q_pos),
+                                                PAGE_TABLE, pool, host))
         got = run(lambda *a: attention(*a, per_split=2, combine_groups=4, tile=5), *args)
-        np.testing.assert_allclose(got, run(attention_ref, *args), atol=ATOL, rtol=RTOL)
+        np.testing.assert_allclose(got, want, atol=ATOL, rtol=RTOL)
+
+
+def test_shared_selection_on_the_step_kernel():
+    """A shared (1, S) selection sent to the one-query-per-block kernel (tile 1) is given a
+    row per query first."""
+    q_pos = np.array([40, 90], np.int32)
+    pool, host = filled_cache("int8", PAGE_TABLE, n_slots=4)
+    q = np.random.default_rng(5).standard_normal((2, N_HEADS, HEAD_DIM), np.float32)
+    args = ("int8", q, q_pos, shared_blocks_upto(q_pos), PAGE_TABLE, pool, host)
+    np.testing.assert_allclose(run(lambda *a: attention(*a, tile=1), *args), run(attention_ref, *args),
+                               atol=ATOL, rtol=RTOL)
 
 
 def test_queries_that_disagree_get_a_block_each():

@@ -34,10 +34,10 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import config, cuda, float32
+from numba import config, cuda, float32, int32, uint64
 
 from strata_nb.kernels.launch import DeviceArgs, device_empty, expect, expect_pool, host_or_absent, stream, view_bytes
-from strata_nb.kernels.attention_step import attention_step
+from strata_nb.kernels.attention_step import HEAD_DIMS, attention_step
 from strata_nb.kernels.kv_readers import READERS, SIDES
 from strata_nb.kernels.hadamard import N as HADAMARD_N
 from strata_nb.kernels.hadamard import hadamard, hadamard_ref
@@ -49,24 +49,40 @@ ATOL = 2e-5
 RTOL = 1e-4
 
 NEG_INF = np.float32(-np.inf)
-MAX_HEAD_DIM = 128  # shared tiles are sized at compile time: 2 x 16 x 128 floats = 16 KiB
-K_STRIDE = MAX_HEAD_DIM + 1  # the K tile's row stride: row c starts c banks further on
-# Rows (query, head) a thread block attends for, and their q and acc values: 16 queries x
-# 3 heads x 64 dims for the default model. Shared memory then holds 24 KiB of rows, 16 KiB
-# of K/V tiles and 3 KiB of weights, under the 48 KiB a block may have statically.
+MAX_HEAD_DIM = 128
+# The prompt kernel. A thread block's rows are (query, head) pairs sharing one KV head:
+# 16 queries x 3 heads for the default model, at most MAX_TILE_ROWS, and their q values
+# fit TILE_VALUES floats. Its 128 threads are 8 row groups x 16 column groups: thread
+# (ry, cx) computes rows ry, ry + 8, ... (6 of them) against cells (or output dims) cx,
+# cx + 16, ... Under the simulator every thread is a Python thread: 2 row groups there
+# (24 rows each).
 MAX_TILE_ROWS = 48
 TILE_VALUES = 48 * 64
-# Selected blocks per thread block of the tiled kernel, at least (4 = 64 cells). Under the
-# simulator every thread is a Python thread, so one split covers up to 64 blocks there
-# and a thread block has one warp; tests pass per_split=1 to exercise many splits.
+COL_GROUPS = 16
+ROW_GROUPS = 2 if config.ENABLE_CUDASIM else 8
+THREADS = ROW_GROUPS * COL_GROUPS
+ROWS_PER_THREAD = MAX_TILE_ROWS // ROW_GROUPS
+MAX_TILE_QUERIES = MAX_TILE_ROWS  # one head per KV head: a row per query
+MAX_TILE_COLUMNS = 4  # selected blocks per round: 64 cells
+COLUMN_HALVES, QUERY_HALVES = 2 * MAX_TILE_COLUMNS, 2 * MAX_TILE_QUERIES  # a round's columns, by parity
+# Shared memory, under the 48 KiB a block may have statically (D = 64): q (12 KiB), the
+# K tile with rows padded by one value (16.3 KiB, then the round's weights), the V tile
+# (16 KiB), the rows' partial maxes and sums (3 KiB).
+# Selected blocks per thread block of the prompt kernel, at least (4 = one round); the
+# simulator's splits cover up to 64, and tests pass per_split to exercise many splits.
 BLOCKS_PER_SPLIT = 64 if config.ENABLE_CUDASIM else 4
-THREADS = 32 if config.ENABLE_CUDASIM else 128
 # A prompt chunk's splits: about this many thread blocks in all (a few waves of the GPU),
 # so a 2,048-query chunk does not keep (query, head, split) partial sums for 4-block splits
 PROMPT_THREAD_BLOCKS = 2048
 MAX_COMBINE_GROUPS = 16  # thread rows of the combine kernel, each summing every 16th split
 # Under the simulator every thread is a Python thread: one row there (tests pass 4 to cover it)
 COMBINE_GROUPS = 1 if config.ENABLE_CUDASIM else MAX_COMBINE_GROUPS
+
+
+def tile_cells(head_dim: int) -> int:
+    """Cells per round of the prompt kernel: 64, or 32 for head_dim 128 (the tiles'
+    shared memory holds 64 x 65 and 64 x 64 floats)."""
+    return 64 if head_dim <= 64 else 32
 
 
 def score_scale(head_dim: int) -> np.float32:
@@ -103,7 +119,7 @@ def dequantize_side(kind, side, sel, page_table, pool, host):
 def attention_ref(fmt,
                   q,           # (Q, H, D) float32, rotated when fmt == "q4_0"
                   q_pos,       # (Q,) int32: query i sees cells with position <= q_pos[i]
-                  blocks,      # (Q, S) int32 selected logical blocks, -1 = padding
+                  blocks,      # (Q, S) int32 selected logical blocks, -1 = padding; (1, S): every query's
                   page_table,  # (n_logical_blocks,) int32 slot, -1 = not resident
                   pool,        # {field: (n_slots, n_kv, 16, per_head)} as formats.pool_arrays
                   host,        # {field: (n_logical_blocks, n_kv, 16, per_head)}, or None
@@ -120,6 +136,7 @@ def attention_ref(fmt,
 def attend_ref(fmt, q, q_pos, blocks, page_table, pool, host):
     """attention_ref's arithmetic; returns the (Q, H, D) float32 output."""
     n_q, n_heads, head_dim = q.shape
+    blocks = np.broadcast_to(blocks, (n_q, blocks.shape[1]))  # a (1, S) selection is every query's
     sel = np.unique(blocks[blocks >= 0])  # (U,) sorted, so the order never depends on residency
     kind_k, kind_v = SIDES[fmt]
     k = dequantize_side(kind_k, "k", sel, page_table, pool, host)  # (n_kv, C, D)
@@ -151,13 +168,26 @@ def attend_ref(fmt, q, q_pos, blocks, page_table, pool, host):
 
 
 # --8<-- [start:attention_kernel]
-def make_attention_kernel(read_k, read_v):
-    """A kernel for one format, given how it reads K and V values. Numba compiles each."""
+def make_attention_kernel(read_k, read_v, D):
+    """The prompt kernel for one format (how it reads a column of K and of V:
+    kv_readers.py) and head_dim D, compiled in so each thread's register tiles have fixed
+    sizes and their loops unroll."""
+    CELLS = tile_cells(D)  # cells per round: 64 for D <= 64
+    COLS = CELLS // BLOCK  # selected blocks per round
+    CPT = CELLS // COL_GROUPS  # cells per thread in the scores
+    DPT = D // COL_GROUPS  # output dims per thread in the V sums
+    Q_ROWS = min(MAX_TILE_ROWS, TILE_VALUES // D)  # rows a tile has at most (tile_for)
+    RM = Q_ROWS // ROW_GROUPS  # rows per thread
+    # 2-D shared arrays: an index whose row part is fixed in a loop is checked once, not
+    # per multiply-add. The K tile's array also holds the weights (MAX_TILE_ROWS x CELLS).
+    Q_SHAPE, KP_SHAPE, V_SHAPE = (D, Q_ROWS), (max(CELLS, Q_ROWS), max(D, CELLS) + 1), (CELLS, D)
+    uD, uCELLS, uRG, uCG = uint64(D), uint64(CELLS), uint64(ROW_GROUPS), uint64(COL_GROUPS)
+    B_REGS = max(CPT, DPT)  # K values of the scores, then V values of the sums
 
     @cuda.jit
     def attention_kernel(q,           # (Q, H, D) float32
                          q_pos,       # (Q,) int32
-                         blocks,      # (Q, S) int32, -1 = padding
+                         blocks,      # (Q, S) int32, -1 = padding; or (1, S), every query's
                          page_table,  # (n_logical_blocks,) int32
                          scale,       # float32: 1 / sqrt(D)
                          per_split,   # int32: selected blocks per split
@@ -167,120 +197,198 @@ def make_attention_kernel(read_k, read_v):
                          part_m, part_l,  # (Q, H, n_splits) float32, written: each split's max and sum
                          part_acc):   # (Q, H, n_splits, D) float32, written: its weighted V sum
         # One thread block per (tile of queries, KV head, split): a split is `per_split`
-        # consecutive columns of the selection, so a long context spreads over many blocks
-        # of the GPU, and the G query heads of the KV head, for every query of the tile,
-        # are the block's rows: each K/V block is read from memory once for all of them.
-        # Per selected block: the threads unpack its 16 K and V rows into shared memory
-        # (thread u reads value u of 16 rows: neighbouring threads, neighbouring bytes),
-        # score the (row, cell) pairs, fold each row's 16 scores into its online softmax
-        # (a running max m, sum l, rescaled whenever a block raises the max), then update
-        # the rows' weighted V sums, acc. attention_combine_kernel merges the splits.
+        # consecutive columns of the selection, and the block's rows are the G query
+        # heads of its KV head for every query of the tile (row r: query q0 + r // G,
+        # head kv_h * G + r % G). Thread (ry, cx) owns rows ry + ROW_GROUPS * i. Per
+        # round of COLS selected blocks (CELLS cells):
+        #   unpack   the K and V rows into shared tiles, dequantized (cells no query of
+        #            the tile sees: zeros, so a weight of 0 never meets a NaN)
+        #   scores   S = q K^T * scale as a register tile: the thread's rows x cells
+        #            cx + 16 jj, RM + CPT shared loads per RM * CPT multiply-adds
+        #   softmax  each row's max over its 16 threads' partial maxes (shared), the
+        #            weights exp(S - m) written over the K tile, the thread's running
+        #            sums rescaled: an online softmax, no score kept past its round
+        #   V sums   acc += P V, the same register tiling over dims cx + 16 dd
+        # The threads of a row keep their own part of its sum l; they add them at the
+        # end. attention_combine_kernel merges the splits.
         q0, kv_h, split = cuda.blockIdx.x * tile, cuda.blockIdx.y, cuda.blockIdx.z
-        t, n_threads = cuda.threadIdx.x, cuda.blockDim.x
-        head_dim = q.shape[2]
-        group = q.shape[1] // pool_ka.shape[1]  # consecutive query heads share a KV head
+        t = cuda.threadIdx.x
+        ry, cx = t // COL_GROUPS, t % COL_GROUPS
+        # The two register tiles index shared memory with unsigned integers: Numba then
+        # adds no negative-index wraparound to each load, which doubled their instructions.
+        u_ry, u_cx = uint64(ry), uint64(cx)
+        G = q.shape[1] // pool_ka.shape[1]  # consecutive query heads share a KV head
         n_tile = min(tile, q.shape[0] - q0)
-        rows = n_tile * group  # row r: query q0 + r // group, head kv_h * group + r % group
-        q_rows = cuda.shared.array(TILE_VALUES, float32)  # q_rows[r * D + j]
-        acc = cuda.shared.array(TILE_VALUES, float32)  # acc[r * D + d]
-        # K_STRIDE: a warp scoring 16 cells reads 16 rows at once, each from its own bank
-        k_tile = cuda.shared.array((BLOCK, K_STRIDE), float32)
-        v_tile = cuda.shared.array((BLOCK, MAX_HEAD_DIM), float32)
-        weights = cuda.shared.array((MAX_TILE_ROWS, BLOCK), float32)  # scores, then exp weights
-        m = cuda.shared.array(MAX_TILE_ROWS, float32)
-        l = cuda.shared.array(MAX_TILE_ROWS, float32)
-        rescale = cuda.shared.array(MAX_TILE_ROWS, float32)
-        column = cuda.local.array(BLOCK, float32)  # value u of the block's 16 K (or V) rows
-        for e in range(t, rows * head_dim, n_threads):
-            r, j = e // head_dim, e % head_dim
-            q_rows[e] = q[q0 + r // group, kv_h * group + r % group, j]
-            acc[e] = float32(0.0)
-        for r in range(t, rows, n_threads):
-            m[r], l[r] = NEG_INF, float32(0.0)
+        rows = n_tile * G
+        shared_row = 1 if blocks.shape[0] == 1 else 0  # one selection for every query
+        q_s = cuda.shared.array(Q_SHAPE, float32)  # q_s[j, r]: a warp's two rows side by side
+        kp = cuda.shared.array(KP_SHAPE, float32)  # K tile kp[c, j] (rows padded), then weights kp[r, c]
+        v_s = cuda.shared.array(V_SHAPE, float32)  # v_s[c, d]
+        red = cuda.shared.array((MAX_TILE_ROWS, COL_GROUPS), float32)  # red[r, cx]: row maxes, then sums
+        # Each round's columns, in two halves by round parity: a thread writing round k + 1's
+        # cannot overtake one still reading round k's (a barrier lies between)
+        col_row = cuda.shared.array(COLUMN_HALVES, int32)  # slot (or block) to read, -1 = none
+        col_host = cuda.shared.array(COLUMN_HALVES, int32)  # 1 = from the host copy
+        col_start = cuda.shared.array(COLUMN_HALVES, int32)  # first cell's position
+        chosen = cuda.shared.array(QUERY_HALVES, int32)  # bit cc: the query selected column cc
+        column = cuda.local.array(BLOCK, float32)
+        s_reg = cuda.local.array((RM, CPT), float32)
+        acc = cuda.local.array((RM, DPT), float32)
+        a_reg = cuda.local.array(RM, float32)
+        b_reg = cuda.local.array(B_REGS, float32)
+        m_r = cuda.local.array(RM, float32)
+        l_r = cuda.local.array(RM, float32)
+        pos_r = cuda.local.array(RM, int32)  # the row's query position, -1 = no row
+
+        for e in range(t, Q_ROWS * D, THREADS):  # rows past the tile's: zeros
+            r, j = e // D, e % D
+            q_s[j, r] = q[q0 + r // G, kv_h * G + r % G, j] if r < rows else float32(0.0)
         last = -1  # the tile's last visible position
         for i in range(q0, q0 + n_tile):
             last = max(last, q_pos[i])
+        for i in range(RM):
+            r = ry + ROW_GROUPS * i
+            pos_r[i] = q_pos[q0 + r // G] if r < rows else -1
+            m_r[i], l_r[i] = NEG_INF, float32(0.0)
+            for dd in range(DPT):
+                acc[i, dd] = float32(0.0)
+
         first = split * per_split
-        for s in range(first, min(first + per_split, blocks.shape[1])):
-            b = -1  # the tile's block in column s: the launcher checked that its queries agree
-            for i in range(q0, q0 + n_tile):
-                b = max(b, blocks[i, s])
-            # padding, or a block wholly after the tile (a decode step replayed from a graph
-            # lists every block of the context): the same for every thread, so none skips a
-            # barrier alone
-            if b < 0 or b * BLOCK > last:
+        end = min(first + per_split, blocks.shape[1])
+        for s0 in range(first, end, COLS):
+            half = ((s0 - first) // COLS) % 2
+            cb, qb = half * MAX_TILE_COLUMNS, half * MAX_TILE_QUERIES
+            for cc in range(t, COLS, THREADS):
+                b = -1  # the tile's block in this column: its queries agree (the launcher checked)
+                if s0 + cc < end:
+                    for i in range(q0, q0 + n_tile):
+                        b = max(b, blocks[i if shared_row == 0 else 0, s0 + cc])
+                seen = b >= 0 and b * BLOCK <= last  # padding, or wholly after the tile: skipped
+                slot = page_table[b] if seen else -1
+                col_row[cb + cc] = (slot if slot >= 0 else b) if seen else -1
+                col_host[cb + cc] = 1 if slot < 0 else 0
+                col_start[cb + cc] = b * BLOCK
+            for qi in range(t, n_tile, THREADS):
+                bits = 0
+                for cc in range(COLS):
+                    if s0 + cc < end and blocks[q0 + qi if shared_row == 0 else 0, s0 + cc] >= 0:
+                        bits |= 1 << cc
+                chosen[qb + qi] = bits
+            cuda.syncthreads()
+            any_seen = False  # the same for every thread, so none skips a barrier alone
+            for cc in range(COLS):
+                any_seen = any_seen or col_row[cb + cc] >= 0
+            if not any_seen:
                 continue
-            slot = page_table[b]
-            r = slot if slot >= 0 else b
-            ka, kb = (pool_ka, pool_kb) if slot >= 0 else (host_ka, host_kb)
-            va, vb = (pool_va, pool_vb) if slot >= 0 else (host_va, host_vb)
-            # All 16 cells, even those after the queries (unwritten bytes, maybe NaN): their
-            # scores are masked below and their V is never weighted. A column is loaded
-            # into registers first, with no store between the loads, so they are in flight
-            # together (a store to shared memory could alias a load, so it would wait).
-            for u in range(t, 2 * head_dim, n_threads):
-                if u < head_dim:
-                    read_k(ka, kb, r, kv_h, u, column)
-                    for c in range(BLOCK):
-                        k_tile[c, u] = column[c]
-                else:
-                    read_v(va, vb, r, kv_h, u - head_dim, column)
-                    for c in range(BLOCK):
-                        v_tile[c, u - head_dim] = column[c]
-            cuda.syncthreads()  # the tiles are complete before anyone reads them
 
-            for e in range(t, rows * BLOCK, n_threads):  # score (row, cell) pairs
-                r, c = e // BLOCK, e % BLOCK
-                i = q0 + r // group
-                if blocks[i, s] == b and b * BLOCK + c <= q_pos[i]:
-                    dot = float32(0.0)
-                    for j in range(head_dim):
-                        dot += q_rows[r * head_dim + j] * k_tile[c, j]
-                    weights[r, c] = dot * scale
-                else:
-                    weights[r, c] = NEG_INF
-            cuda.syncthreads()  # all scores written before the softmax reads them
-
-            for r in range(t, rows, n_threads):  # each row's softmax, one thread per row
-                block_max = NEG_INF
-                for c in range(BLOCK):
-                    block_max = max(block_max, weights[r, c])
-                if block_max > NEG_INF:
-                    m_new = max(m[r], block_max)
-                    rescale[r] = math.exp(m[r] - m_new)  # l and acc were summed against the old max
-                    total = l[r] * rescale[r]
-                    for c in range(BLOCK):
-                        if weights[r, c] > NEG_INF:
-                            weights[r, c] = math.exp(weights[r, c] - m_new)
-                            total += weights[r, c]
+            # Unpack: thread u of a column reads value u of the block's 16 K (or V) rows.
+            for e in range(t, COLS * 2 * D, THREADS):
+                cc, u = e // (2 * D), e % (2 * D)
+                r = col_row[cb + cc]
+                c0 = cc * BLOCK
+                if u < D:
+                    if r >= 0:
+                        if col_host[cb + cc] == 1:
+                            read_k(host_ka, host_kb, r, kv_h, u, column)
                         else:
-                            weights[r, c] = float32(-1.0)  # masked: its V is never read
-                    l[r], m[r] = total, m_new
-                else:  # the row sees no cell of this block
-                    rescale[r] = float32(1.0)
+                            read_k(pool_ka, pool_kb, r, kv_h, u, column)
+                    for c in range(BLOCK):  # unwritten cells may hold NaN: no query sees them
+                        seen = r >= 0 and col_start[cb + cc] + c <= last
+                        kp[c0 + c, u] = column[c] if seen else float32(0.0)
+                else:
+                    if r >= 0:
+                        if col_host[cb + cc] == 1:
+                            read_v(host_va, host_vb, r, kv_h, u - D, column)
+                        else:
+                            read_v(pool_va, pool_vb, r, kv_h, u - D, column)
                     for c in range(BLOCK):
-                        weights[r, c] = float32(-1.0)
-            cuda.syncthreads()  # weights and rescale factors ready
+                        seen = r >= 0 and col_start[cb + cc] + c <= last
+                        v_s[c0 + c, u - D] = column[c] if seen else float32(0.0)
+            cuda.syncthreads()
 
-            for e in range(t, rows * head_dim, n_threads):
-                r, d = e // head_dim, e % head_dim
-                total = acc[e] * rescale[r]
-                for c in range(BLOCK):
-                    if weights[r, c] >= 0:  # masked cells may hold NaN: 0 * NaN is NaN
-                        total += weights[r, c] * v_tile[c, d]
-                acc[e] = total
-            cuda.syncthreads()  # done with the tiles and weights before the next block
-        for e in range(t, rows * head_dim, n_threads):
-            r, d = e // head_dim, e % head_dim
-            part_acc[q0 + r // group, kv_h * group + r % group, split, d] = acc[e]
-        for r in range(t, rows, n_threads):
-            part_m[q0 + r // group, kv_h * group + r % group, split] = m[r]
-            part_l[q0 + r // group, kv_h * group + r % group, split] = l[r]
+            # Scores, a register tile: RM q values and CPT K values per j, RM * CPT products.
+            for i in range(RM):
+                for jj in range(CPT):
+                    s_reg[i, jj] = float32(0.0)
+            for j in range(uD):
+                for i in range(RM):
+                    a_reg[i] = q_s[j, u_ry + uRG * uint64(i)]
+                for jj in range(CPT):
+                    b_reg[jj] = kp[u_cx + uCG * uint64(jj), j]
+                for i in range(RM):
+                    for jj in range(CPT):
+                        s_reg[i, jj] += a_reg[i] * b_reg[jj]
+            for i in range(RM):
+                r = ry + ROW_GROUPS * i
+                qi = r // G
+                top = NEG_INF
+                for jj in range(CPT):
+                    c = cx + COL_GROUPS * jj
+                    cc = c // BLOCK
+                    if (pos_r[i] >= 0 and col_row[cb + cc] >= 0 and (chosen[qb + qi] >> cc) & 1 == 1
+                            and col_start[cb + cc] + c % BLOCK <= pos_r[i]):
+                        s_reg[i, jj] *= scale
+                    else:
+                        s_reg[i, jj] = NEG_INF
+                    top = max(top, s_reg[i, jj])
+                red[r, cx] = top
+            cuda.syncthreads()  # the row maxes are in, and every thread is done with the K tile
+
+            # Online softmax: the row's new max, the old sums rescaled, the weights written
+            # where the K tile was.
+            for i in range(RM):
+                r = ry + ROW_GROUPS * i
+                m_new = m_r[i]
+                for x in range(COL_GROUPS):
+                    m_new = max(m_new, red[r, x])
+                if m_new > NEG_INF:
+                    rescale = math.exp(m_r[i] - m_new)  # exp(-inf) = 0 when the row saw nothing before
+                    total = l_r[i] * rescale
+                    for jj in range(CPT):
+                        p = math.exp(s_reg[i, jj] - m_new)  # a masked cell: exp(-inf) = 0
+                        kp[r, cx + COL_GROUPS * jj] = p
+                        total += p
+                    l_r[i], m_r[i] = total, m_new
+                    for dd in range(DPT):
+                        acc[i, dd] *= rescale
+                else:  # the row has seen no cell yet
+                    for jj in range(CPT):
+                        kp[r, cx + COL_GROUPS * jj] = float32(0.0)
+            cuda.syncthreads()  # every weight written
+
+            # V sums, a register tile: RM weights and DPT V values per cell.
+            for c in range(uCELLS):
+                for i in range(RM):
+                    a_reg[i] = kp[u_ry + uRG * uint64(i), c]
+                for dd in range(DPT):
+                    b_reg[dd] = v_s[c, u_cx + uCG * uint64(dd)]
+                for i in range(RM):
+                    for dd in range(DPT):
+                        acc[i, dd] += a_reg[i] * b_reg[dd]
+            cuda.syncthreads()  # done with the tiles before the next round refills them
+
+        # Each row's sum from its 16 threads' parts, added in thread order.
+        for i in range(RM):
+            red[ry + ROW_GROUPS * i, cx] = l_r[i]
+        cuda.syncthreads()
+        for i in range(RM):
+            r = ry + ROW_GROUPS * i
+            if r < rows:
+                qi, h = q0 + r // G, kv_h * G + r % G
+                for dd in range(DPT):
+                    part_acc[qi, h, split, cx + COL_GROUPS * dd] = acc[i, dd]
+                if cx == 0:
+                    total = float32(0.0)
+                    for x in range(COL_GROUPS):
+                        total += red[r, x]
+                    part_m[qi, h, split] = m_r[i]
+                    part_l[qi, h, split] = total
 
     return attention_kernel
 
 
-ATTENTION_KERNELS = {fmt: make_attention_kernel(READERS[k], READERS[v]) for fmt, (k, v) in SIDES.items()}
+ATTENTION_KERNELS = {(fmt, d): make_attention_kernel(READERS[k], READERS[v], d)
+                     for fmt, (k, v) in SIDES.items() for d in HEAD_DIMS}
 
 
 @cuda.jit
@@ -335,15 +443,20 @@ def side_arrays(kind, side, arrays, dev):
     return a, view_bytes(a, np.float16)  # d of block g at [9 * g]
 
 
-def tile_for(blocks, group: int, head_dim: int) -> int:
-    """Queries per thread block: as many as the shared rows hold, when every tile's queries
-    agree on each column of `blocks` (a block or -1: a prompt chunk's all_blocks_upto);
-    otherwise, or when `blocks` is in device memory, 1."""
+def tile_for(blocks, group: int, head_dim: int, n_q: int | None = None) -> int:
+    """Queries per thread block, for n_q queries (default: blocks' rows): as many as the
+    shared rows hold, when every tile's queries agree on each column of `blocks` (a block
+    or -1, as all_blocks_upto's rows do; a (1, S) selection is every query's); otherwise,
+    or when a per-query `blocks` is in device memory, 1."""
     most = min(MAX_TILE_ROWS // group, TILE_VALUES // (group * head_dim))
-    n_q = blocks.shape[0]
-    if not isinstance(blocks, np.ndarray) or n_q < 2 or most < 2:
+    n_q = blocks.shape[0] if n_q is None else n_q
+    if n_q < 2 or most < 2:
         return 1
     tile = min(most, n_q)
+    if blocks.shape[0] == 1:  # shared: NumPy or in device memory
+        return tile
+    if not isinstance(blocks, np.ndarray):
+        return 1
     padded = np.full((-(-n_q // tile) * tile, blocks.shape[1]), -1, np.int32)
     padded[:n_q] = blocks
     padded = padded.reshape(-1, tile, blocks.shape[1])
@@ -366,7 +479,8 @@ def attention(fmt, q, q_pos, blocks, page_table, pool, host, out, rotate_out: bo
     expect("q", q, np.float32, (None, None, None))
     n_q, n_heads, head_dim = q.shape
     expect("q_pos", q_pos, np.int32, (n_q,))
-    expect("blocks", blocks, np.int32, (n_q, None))
+    expect("blocks", blocks, np.int32, (None, None))
+    assert blocks.shape[0] in (1, n_q), f"blocks has {blocks.shape[0]} rows for {n_q} queries (1 = shared)"
     expect("page_table", page_table, np.int32, (None,))
     expect("out", out, np.float32, (n_q, n_heads, head_dim))
     specs = pool_arrays(fmt, head_dim)
@@ -377,7 +491,7 @@ def attention(fmt, q, q_pos, blocks, page_table, pool, host, out, rotate_out: bo
     assert group <= MAX_TILE_ROWS and group * head_dim <= TILE_VALUES, \
         f"{group} query heads of {head_dim} per KV head do not fit the shared rows"
     assert not rotate_out or head_dim % HADAMARD_N == 0, f"head_dim {head_dim} is not a multiple of {HADAMARD_N}"
-    tile = tile_for(blocks, group, head_dim) if tile is None else tile
+    tile = tile_for(blocks, group, head_dim, n_q) if tile is None else tile
     assert 1 <= tile * group <= MAX_TILE_ROWS and tile * group * head_dim <= TILE_VALUES, f"tile {tile} too large"
     for spec in specs:
         expect_pool(spec.field, pool[spec.field], spec, n_kv)
@@ -386,6 +500,9 @@ def attention(fmt, q, q_pos, blocks, page_table, pool, host, out, rotate_out: bo
     if n_q == 0:
         return
     kind_k, kind_v = SIDES[fmt]
+    if tile == 1 and blocks.shape[0] != n_q:  # the step kernel reads a row per query
+        assert isinstance(blocks, np.ndarray), "a shared selection in device memory is for one query"
+        blocks = np.ascontiguousarray(np.broadcast_to(blocks, (n_q, blocks.shape[1])))
     with DeviceArgs() as dev:
         sides = (*side_arrays(kind_k, "k", pool, dev), *side_arrays(kind_v, "v", pool, dev),
                  *side_arrays(kind_k, "k", host, dev), *side_arrays(kind_v, "v", host, dev))
@@ -393,16 +510,20 @@ def attention(fmt, q, q_pos, blocks, page_table, pool, host, out, rotate_out: bo
         if tile == 1:
             attention_step(fmt, n_kv, args, sides, dev.write(out), rotate_out, per_split)
             return
+        assert head_dim in HEAD_DIMS, f"no prompt kernel for head_dim {head_dim} (built: {HEAD_DIMS})"
         if per_split is None:  # long prompt chunks have tiles enough to fill the GPU: fewer, longer splits
             want = max(1, PROMPT_THREAD_BLOCKS // (-(-n_q // tile) * n_kv))
             per_split = max(BLOCKS_PER_SPLIT, -(-blocks.shape[1] // want))
-        combine_groups = min(combine_groups, 1024 // head_dim)  # at most 1024 threads a block
-        assert 1 <= combine_groups <= MAX_COMBINE_GROUPS, f"combine_groups {combine_groups} not in 1..{MAX_COMBINE_GROUPS}"
+            cols = tile_cells(head_dim) // BLOCK
+            per_split = -(-per_split // cols) * cols  # whole rounds
         n_splits = max(1, -(-blocks.shape[1] // per_split))
+        # at most 1024 threads a block, and no more thread rows than splits
+        combine_groups = min(combine_groups, 1024 // head_dim, n_splits)
+        assert 1 <= combine_groups <= MAX_COMBINE_GROUPS, f"combine_groups {combine_groups} not in 1..{MAX_COMBINE_GROUPS}"
         part_m = device_empty((n_q, n_heads, n_splits), np.float32)
         part_l = device_empty((n_q, n_heads, n_splits), np.float32)
         part_acc = device_empty((n_q, n_heads, n_splits, head_dim), np.float32)
-        ATTENTION_KERNELS[fmt][(-(-n_q // tile), n_kv, n_splits), THREADS, stream()](
+        ATTENTION_KERNELS[fmt, head_dim][(-(-n_q // tile), n_kv, n_splits), THREADS, stream()](
             *args, np.int32(per_split), np.int32(tile), *sides, part_m, part_l, part_acc)
         mixed = device_empty(out.shape, np.float32) if rotate_out else dev.write(out)
         attention_combine_kernel[(n_q, n_heads), (head_dim, combine_groups), stream()](

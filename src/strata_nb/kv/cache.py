@@ -21,7 +21,7 @@ import numpy as np
 from ..errors import StrataError
 from ..kernels.copy_runs import as_words
 from .formats import BLOCK, kv_block_bytes, pool_arrays, rotates
-from .select import all_blocks_upto, select_blocks
+from .select import all_blocks_upto, select_blocks, shared_blocks_upto
 from .slots import SlotTable, StreamCounters
 from .writer import KVDest, append_cells
 
@@ -131,6 +131,18 @@ class KVCache:
         self._device_newer = False  # a replayed step moved the ring or counted lookups on the device
         self._hadamard = be.op("hadamard")
         self._attention = be.op("attention")
+        self._block_row = be.asarray(np.arange(self.n_blocks, dtype=np.int32).reshape(1, -1))  # (1, n_blocks)
+        self._positions = (None, None)  # (NumPy positions, their device copy): _on_device's one entry
+
+    def _on_device(self, positions):
+        """positions on the backend, uploaded once per forward pass: every layer's append and
+        attend get the same NumPy array, and each upload from pageable memory waits for the
+        GPU's queue to drain. A device array (a replayed step's) is returned as it is."""
+        if not isinstance(positions, np.ndarray):
+            return positions
+        if self._positions[0] is not positions:
+            self._positions = (positions, self.be.asarray(positions))
+        return self._positions[1]
 
     @property
     def streamed(self) -> bool:
@@ -160,7 +172,7 @@ class KVCache:
         if "v" in rotates(self.fmt):
             v = self._hadamard(v)
         L = self.layers[layer]
-        pos = self.be.asarray(positions)
+        pos = self._on_device(positions)
         on_device = not isinstance(positions, np.ndarray)  # a replayed decode step
         if self.streamed and on_device:
             self.be.op("map_ring")(pos, L.page_table, L.slot_block, self.plan.n_ring)  # the ring follows, on the device
@@ -194,7 +206,9 @@ class KVCache:
             if not self.step.dense_resident:
                 self._device_newer = True  # the step counted its lookups on the device
         elif prompt:  # a prompt chunk reads every earlier cell: the pool, or the stage when streaming
-            blocks, src = all_blocks_upto(positions), (self.stage if self.streamed else L)
+            # blocks 0..last as one row every query shares, a view of a device array made once
+            blocks = shared_blocks_upto(positions, self._block_row)
+            src = self.stage if self.streamed else L
         else:
             blocks, src = self.select(L, q, positions), L
             if self.streamed:
@@ -208,7 +222,7 @@ class KVCache:
         # looks at a NumPy selection to put queries that share it in one thread block
         # rotate_out: attention mixed rotated V rows, so H (= H^-1) brings the output back,
         # applied by the kernel that writes it
-        self._attention(self.fmt, q, self.be.asarray(positions), blocks, src.page_table,
+        self._attention(self.fmt, q, self._on_device(positions), blocks, src.page_table,
                         src.pool, src.host, out, rotate_out="v" in rotates(self.fmt))
         return out
     # --8<-- [end:attend]

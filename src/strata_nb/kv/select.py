@@ -18,6 +18,16 @@ def all_blocks_upto(positions: np.ndarray) -> np.ndarray:
     return np.where(cols[None, :] <= last[:, None], cols[None, :], -1).astype(np.int32)
 
 
+def shared_blocks_upto(positions: np.ndarray, row=None):
+    """(n,) positions -> (1, max_block + 1) int32: blocks 0..max(pos)//BLOCK as one selection
+    that every query shares. Attention masks each query's cells after its position, so
+    this reads what all_blocks_upto does, without an (n, max_block + 1) array: a prompt
+    chunk of 2,048 queries at 8K context would build and send 4 MB of it per layer.
+    row: (1, n_blocks) holding 0, 1, ... (a device array made once) to return a view of."""
+    width = int(np.asarray(positions).max()) // BLOCK + 1
+    return np.arange(width, dtype=np.int32).reshape(1, -1) if row is None else row[:, :width]
+
+
 # --8<-- [start:select_blocks]
 def select_blocks(scores: np.ndarray, positions: np.ndarray, window_blocks: int, budget_cells: int) -> np.ndarray:
     """scores (n_q, n_blocks) float32, positions (n_q,) -> (n_q, max_sel) int32 ascending, -1 padded."""
