@@ -60,6 +60,12 @@ class CudaBackend:
     def synchronize(self):
         cuda.synchronize()
 
+    def deferred_frees(self):
+        """One forward pass's scope: device memory its temporaries free is given back when it
+        ends, not during it. Numba frees in batches as arrays die, and each cuMemFree waits
+        for the GPU to finish its queue, so mid-pass frees keep the host from running ahead."""
+        return cuda.defer_cleanup()
+
     def host_array(self, shape, dtype):
         """Pinned, device-mapped host memory: the authoritative host copy."""
         a = cuda.mapped_array(shape, dtype)

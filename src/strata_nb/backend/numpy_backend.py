@@ -6,6 +6,7 @@ float32: one float64 scalar would silently promote a whole forward pass and cost
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 
 import numpy as np
@@ -41,6 +42,10 @@ class NumpyBackend:
         """dst[...] = src (a host table to its device twin; here they are often one array)."""
         if dst is not src:
             dst[...] = src
+
+    def deferred_frees(self):
+        """The cuda backend's scope for one forward pass; nothing to defer here."""
+        return contextlib.nullcontext()
 
     def host_array(self, shape, dtype):
         """An array for the host copy (pinned and device-mapped on the cuda backend)."""

@@ -133,7 +133,8 @@ class Engine:
         """ids at positions start, start + 1, ... through every layer -> logits (n or 1, vocab)."""
         part = np.asarray(ids, np.int32)
         pos = np.arange(start, start + len(part), dtype=np.int32)
-        return self.be.to_numpy(forward(self.be, self.weights, self.kv, part, pos, prompt, all_logits))
+        with self.be.deferred_frees():
+            return self.be.to_numpy(forward(self.be, self.weights, self.kv, part, pos, prompt, all_logits))
 
     def _in_chunks(self, ids, begin: int, end: int, size: int, prompt: bool, all_logits: bool):
         """ids[begin:end] in runs of `size`: yields (start, logits)."""
