@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from strata_nb.bench.check import GAP_TOL, check_tokens
+from strata_nb.bench.check import GAP_TOL, check_tokens, reference_spread
 from strata_nb.bench.report import table
 from strata_nb.cli import main
 
@@ -57,6 +57,44 @@ def test_check_marks_a_far_token_broken():
     assert (ok.exact, ok.broken) == (2, False) and ok.max_gap == pytest.approx(GAP_TOL / 2)
     bad = check_tokens(logits, [4, 4, 2])  # token 2 is 5 logits below the top
     assert bad.broken and bad.max_gap == pytest.approx(5.0)
+
+
+def test_the_reference_spread_widens_the_tolerance_by_what_it_measured():
+    logits = np.zeros((2, 10), np.float32)
+    logits[:, 4] = 5.0
+    logits[:, 7] = 5.0 - 1.5 * GAP_TOL  # a token 1.5 GAP_TOL down: broken on its own
+    alt = logits.copy()
+    alt[1, 7] = 5.0 - 0.9 * GAP_TOL  # the other reference puts it only 0.9 GAP_TOL down
+    spread = reference_spread(logits, alt, [4, 7])
+    assert spread == pytest.approx(0.6 * GAP_TOL)
+    assert check_tokens(logits, [4, 7]).broken
+    assert not check_tokens(logits, [4, 7], spread).broken  # within GAP_TOL + spread
+    far = np.zeros((2, 10), np.float32)
+    far[:, 4] = 5.0  # token 2 is 5 logits down: no rounding spread of 0.6 excuses it
+    assert check_tokens(far, [4, 2], spread).broken
+
+
+def test_a_failing_check_measures_the_spread_and_still_fails_a_far_token(tiny_model, monkeypatch):
+    """check_job's second reference (another prefill chunk) runs when a gap exceeds
+    GAP_TOL; on a fp32 cache its spread is near 0, so a token the model puts far down stays
+    broken, and the spread is reported."""
+    from strata_nb.bench import check
+    from strata_nb.bench.check import check_job, reference_logits
+    from strata_nb.engine.engine import Engine
+
+    monkeypatch.setattr(check, "_ENGINE", None)  # a worker's engine, built on its first job: this test's
+
+    base = dict(model=tiny_model, kv="fp32", max_context=128, prefill_chunk=16)
+    prompt = list(range(3, 40))
+    eng = Engine.load(device="cpu", **base)
+    first = eng.derive().prefill(prompt)
+    worst = int(np.argmin(first))
+    tokens = [worst, int(np.argmax(first))]
+    c = check_job(base, {}, prompt, tokens)
+    assert c["broken"] and c["spread"] is not None and c["spread"] < 0.1
+    assert c["max_gap"] == pytest.approx(float(first.max() - first.min()), abs=1e-4)
+    good = [int(np.argmax(r)) for r in reference_logits(eng.derive(), prompt, tokens)][:1]
+    assert check_job(base, {}, prompt, good)["spread"] is None  # nothing to excuse: not measured
 
 
 def test_a_broken_row_cannot_look_like_a_win():

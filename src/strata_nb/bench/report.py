@@ -22,6 +22,8 @@ def table(result: dict) -> str:
         else:
             verdict = "**BROKEN**" if c["broken"] else "ok"
             check = f"{verdict}: {c['exact']}/{c['tokens']} top-1, max gap {c['max_gap']:.2f}"
+            if c.get("spread") is not None:
+                check += f" (reference spread {c['spread']:.2f})"
         gbs = f"{r['gb_s']:,.0f}" + (f" ({100 * r['gb_s'] / bw:.1f}%)" if bw else "")
         hits = "-" if r["hit_rate"] is None else f"{r['hit_rate']:.3f}"
         name = f"{r['fmt']} {r['mode']}"
