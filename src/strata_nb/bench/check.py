@@ -11,12 +11,15 @@ Some configurations are chaotic: with a q4_0 cache 8K tokens deep, one code flip
 rounding changes later tokens' K and V, which flips more codes in later layers. The
 numpy backend against itself, with prefill chunks of 2,048 and 256 (nothing changed but
 the order of float sums), differs in 0 of layer 0's K/V bytes, 0.4% of layer 3's and 71%
-of layer 29's V bytes, and its first logits by 2.4 (`tools/kv_divergence.py`). There a
-correct run can land more than GAP_TOL below the reference. So when a token is further
-than GAP_TOL, the reference is run again with another prefill chunk, and its **spread**
-is measured: how far its own gap for the same tokens moves. The row is broken when a
-gap exceeds GAP_TOL + spread. For fp16 or int8 the spread is near 0 and the check keeps
-its resolution; where it is large, the table shows it beside the gap.
+of layer 29's V bytes, and its first logits by 2.4 (`tools/kv_divergence.py`). At 4,096
+tokens the cuda backend alone picks three different tokens at step 15 for chunks of
+2,048, 1,024 and 512, and the numpy reference puts the same token 1.35 to 5.86 logits
+below its top depending on its chunk. There a correct run can land more than GAP_TOL
+below the reference. So when a token is further than GAP_TOL, the reference runs again
+with two other prefill chunks, and its **spread** is measured: how far its own gap for
+the same tokens moves. The row is broken when a gap exceeds GAP_TOL + spread. For fp16
+or int8 the spread is near 0 and the check keeps its resolution; where it is large, the
+table shows it beside the gap, and the check can say no more than that.
 """
 from __future__ import annotations
 
@@ -25,7 +28,9 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 GAP_TOL = 1.0  # logits below numpy's top that a token may be and still count as a near tie
-ALT_CHUNK = 2048  # the second reference's prefill chunk (or ALT_CHUNK // 8 if the first used it)
+# Prefill chunks of the references run when a gap exceeds GAP_TOL: the first two that the
+# check's own reference does not use
+ALT_CHUNKS = (1024, 256, 2048, 512)
 
 
 @dataclass
@@ -91,9 +96,10 @@ def check_job(base_settings: dict, changes: dict, prompt: list[int], tokens: lis
     rows = reference_logits(ref, prompt, tokens)
     check = check_tokens(rows, tokens)
     if check.broken:  # a chaotic configuration, or a broken one: how far does the reference itself move?
-        alt_chunk = ALT_CHUNK if ref.settings.prefill_chunk != ALT_CHUNK else ALT_CHUNK // 8
-        alt = reference_logits(_ENGINE.derive(**changes, prefill_chunk=alt_chunk), prompt, tokens)
-        check = check_tokens(rows, tokens, reference_spread(rows, alt, tokens))
+        chunks = [c for c in ALT_CHUNKS if c != ref.settings.prefill_chunk][:2]
+        spread = max(reference_spread(rows, reference_logits(_ENGINE.derive(**changes, prefill_chunk=c), prompt,
+                                                             tokens), tokens) for c in chunks)
+        check = check_tokens(rows, tokens, spread)
     return check.as_dict()
 
 
