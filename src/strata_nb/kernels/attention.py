@@ -21,11 +21,13 @@ zero, as they do in the kernel, which never reads them.
 
 Kernel vs reference tolerance: |kernel - ref| <= ATOL + RTOL * |ref|, for V values of
 order 1. Both compute in float32 on identical dequantized values (dequantization is exact
-in both); they differ only in the order of float32 sums (a 64-term dot product per score,
-the kernel's block-by-block online softmax within a split of 4 blocks and the merge of
-the splits, against one max and one sum, a sum over up to S * 16 cells per output) and in exp (CUDA's expf is within 2 ulp). Each of those is a
-few ulp (float32 eps = 1.2e-7) of the values summed, so errors are around 1e-6 (the
-tests see at most 1.1e-6); the tolerance leaves over 10x headroom.
+in both); they differ only in the order of float32 sums (a 64-term dot product per score;
+the kernels' online softmax, round by round or split by split, each row's sum kept in
+parts by 16 threads in the prompt kernel, and the merge of the splits, against one max
+and one sum; a sum over up to S * 16 cells per output) and in exp (CUDA's expf is within
+2 ulp). Each of those is a few ulp (float32 eps = 1.2e-7) of the values summed, so
+errors are around 1e-6 (the tests see at most 1.1e-6); the tolerance leaves over 10x
+headroom.
 
 Selections list distinct blocks; a query that sees no cell gets zeros.
 """
@@ -178,8 +180,8 @@ def make_attention_kernel(read_k, read_v, D):
     DPT = D // COL_GROUPS  # output dims per thread in the V sums
     Q_ROWS = min(MAX_TILE_ROWS, TILE_VALUES // D)  # rows a tile has at most (tile_for)
     RM = Q_ROWS // ROW_GROUPS  # rows per thread
-    # 2-D shared arrays: an index whose row part is fixed in a loop is checked once, not
-    # per multiply-add. The K tile's array also holds the weights (MAX_TILE_ROWS x CELLS).
+    # The shared tiles, shaped per D. The K tile's array also holds the round's weights
+    # (Q_ROWS x CELLS) once the scores are done with it.
     Q_SHAPE, KP_SHAPE, V_SHAPE = (D, Q_ROWS), (max(CELLS, Q_ROWS), max(D, CELLS) + 1), (CELLS, D)
     uD, uCELLS, uRG, uCG = uint64(D), uint64(CELLS), uint64(ROW_GROUPS), uint64(COL_GROUPS)
     B_REGS = max(CPT, DPT)  # K values of the scores, then V values of the sums
