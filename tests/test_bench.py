@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from strata_nb.bench.check import GAP_TOL, check_tokens, reference_spread
+from strata_nb.bench.check import GAP_TOL, LAYER0_TOL, check_tokens, reference_spread
 from strata_nb.bench.report import table
 from strata_nb.cli import main
 
@@ -33,6 +33,8 @@ def test_bench_writes_json_table_and_checks_every_row(tiny_model, tmp_path, caps
     for r in rows:
         assert len(r["prefill_runs"]) == len(r["decode_runs"]) == 2 and r["decode_tok_s"] > 0
         assert r["check"]["tokens"] == 7 and not r["check"]["broken"]  # the prefill's pick, 2 warm-up, 4 timed
+        # numpy against numpy in another process (its BLAS threads differ): a rare rounding tie at most
+        assert r["check"]["layer0"] < 0.1 * LAYER0_TOL
         assert len(r["tokens"]) == 7
     assert rows[2]["hit_rate"] is not None and rows[0]["hit_rate"] is None
     md = (tmp_path / "bench.md").read_text()
@@ -95,6 +97,29 @@ def test_a_failing_check_measures_the_spread_and_still_fails_a_far_token(tiny_mo
     assert c["max_gap"] == pytest.approx(float(first.max() - first.min()), abs=1e-4)
     good = [int(np.argmax(r)) for r in reference_logits(eng.derive(), prompt, tokens)][:1]
     assert check_job(base, {}, prompt, good)["spread"] is None  # nothing to excuse: not measured
+
+
+def test_layer0_bytes_catch_a_dropped_mirror_write_whatever_the_tokens(tiny_model, monkeypatch):
+    """The class of Strata #1188: --fault drop-v-mirror never writes the V half of the host
+    copy. A streamed row's layer-0 prompt bytes are then far from the reference's, so the
+    row is broken even where its tokens pass; a clean run's bytes are the reference's."""
+    from strata_nb.bench import check
+    from strata_nb.bench.check import check_job
+    from strata_nb.bench.run import Config
+    from strata_nb.engine.engine import Engine
+
+    monkeypatch.setattr(check, "_ENGINE", None)
+    base = dict(model=tiny_model, kv="fp16", max_context=512, prefill_chunk=128)
+    prompt = [3 + (7 * i) % 90 for i in range(400)]  # past the 320 resident cells: blocks only in the host copy
+    streamed = Config("k8v4", True, len(prompt)).settings(Engine.load(device="cpu", **base).settings.kv_window)
+    for fault, broken in (("none", False), ("drop-v-mirror", True)):
+        eng = Engine.load(device="cpu", fault=fault, **(base | streamed))
+        assert eng.kv.streamed
+        tokens = [int(np.argmax(eng.prefill(prompt)))]  # the prefill's pick: it reads the stage, not the host copy
+        layer0 = eng.kv.snapshot(len(prompt), [0])["layers"][0]
+        c = check_job(base, streamed, prompt, tokens, layer0)
+        assert c["broken"] == broken and (c["layer0"] > 0.5 if broken else c["layer0"] < 0.1 * LAYER0_TOL), (fault, c)
+        assert c["max_gap"] <= GAP_TOL and LAYER0_TOL < 0.5  # the tokens alone would pass
 
 
 def test_a_broken_row_cannot_look_like_a_win():

@@ -20,6 +20,13 @@ with two other prefill chunks, and its **spread** is measured: how far its own g
 the same tokens moves. The row is broken when a gap exceeds GAP_TOL + spread. For fp16
 or int8 the spread is near 0 and the check keeps its resolution; where it is large, the
 table shows it beside the gap, and the check can say no more than that.
+
+A second, sharp test does not depend on tokens at all: layer 0's K/V bytes for the
+prompt. They come from the embedding, one norm, one matrix product and RoPE, so rounding
+changes a byte only where a value sits on a rounding boundary; the numpy backend against
+itself (chunks 2,048 and 256, q4_0, 8K) changed none to five decimals. A writer that drops the host copy's bytes, or garbles a block,
+changes a whole field there. More than `LAYER0_TOL` of any field's bytes differing marks
+the row broken, however chaotic its tokens are.
 """
 from __future__ import annotations
 
@@ -31,6 +38,7 @@ GAP_TOL = 1.0  # logits below numpy's top that a token may be and still count as
 # Prefill chunks of the references run when a gap exceeds GAP_TOL: the first two that the
 # check's own reference does not use
 ALT_CHUNKS = (1024, 256, 2048, 512)
+LAYER0_TOL = 0.01  # fraction of a field's layer-0 prompt bytes that may differ (rounding ties)
 
 
 @dataclass
@@ -40,6 +48,7 @@ class Check:
     max_gap: float  # the largest (numpy's top logit - numpy's logit of our token)
     broken: bool
     spread: float | None = None  # the reference's own spread, measured when a gap exceeds GAP_TOL
+    layer0: float | None = None  # the largest fraction of a field's layer-0 prompt bytes that differ
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -57,6 +66,19 @@ def check_tokens(ref_logits: np.ndarray, tokens: list[int], spread: float | None
     gaps = gaps_of(ref_logits, tokens)
     tolerance = GAP_TOL + (spread or 0.0)
     return Check(len(tokens), int((gaps == 0).sum()), float(gaps.max()), bool((gaps > tolerance).any()), spread)
+
+
+def cells_of(a: np.ndarray, end: int) -> np.ndarray:
+    """(n_blocks, n_kv, BLOCK, per_head) -> (end, n_kv, per_head): cells in position order."""
+    return a.transpose(0, 2, 1, 3).reshape(-1, a.shape[1], a.shape[3])[:end]
+
+
+def layer0_difference(mine: dict, ref: dict, end: int) -> float:
+    """The largest fraction of differing bytes, over the K/V fields of two layer-0
+    snapshots (KVCache.snapshot), in cells [0, end)."""
+    fields = [f for f in ref if f not in ("kmin", "kmax")]
+    return max(float((cells_of(mine[f], end).view(np.uint8) != cells_of(ref[f], end).view(np.uint8)).mean())
+               for f in fields)
 
 
 def reference_spread(ref_logits: np.ndarray, alt_logits: np.ndarray, tokens: list[int]) -> float:
@@ -82,7 +104,10 @@ def reference_logits(ref_engine, prompt: list[int], tokens: list[int]) -> np.nda
 _ENGINE = None  # this worker's numpy engine, built on its first job
 
 
-def check_job(base_settings: dict, changes: dict, prompt: list[int], tokens: list[int]) -> dict:
+def check_job(base_settings: dict, changes: dict, prompt: list[int], tokens: list[int],
+              layer0: dict | None = None) -> dict:
+    """The check of one row: its tokens against the reference, and its layer-0 prompt bytes
+    (KVCache.snapshot(len(prompt), [0])'s layer) against the reference's, when given."""
     global _ENGINE
     from ..backend.numpy_backend import NumpyBackend
     from ..engine.engine import Engine
@@ -100,6 +125,9 @@ def check_job(base_settings: dict, changes: dict, prompt: list[int], tokens: lis
         spread = max(reference_spread(rows, reference_logits(_ENGINE.derive(**changes, prefill_chunk=c), prompt,
                                                              tokens), tokens) for c in chunks)
         check = check_tokens(rows, tokens, spread)
+    if layer0 is not None:  # the decode steps above wrote only cells after the prompt
+        check.layer0 = layer0_difference(layer0, ref.kv.snapshot(len(prompt), [0])["layers"][0], len(prompt))
+        check.broken = check.broken or check.layer0 > LAYER0_TOL
     return check.as_dict()
 
 

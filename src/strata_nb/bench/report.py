@@ -24,6 +24,8 @@ def table(result: dict) -> str:
             check = f"{verdict}: {c['exact']}/{c['tokens']} top-1, max gap {c['max_gap']:.2f}"
             if c.get("spread") is not None:
                 check += f" (reference spread {c['spread']:.2f})"
+            if c.get("layer0"):  # shown when any layer-0 prompt byte differs
+                check += f", layer 0 bytes {100 * c['layer0']:.3f}% differ"
         gbs = f"{r['gb_s']:,.0f}" + (f" ({100 * r['gb_s'] / bw:.1f}%)" if bw else "")
         hits = "-" if r["hit_rate"] is None else f"{r['hit_rate']:.3f}"
         name = f"{r['fmt']} {r['mode']}"

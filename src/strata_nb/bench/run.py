@@ -89,17 +89,21 @@ def decode(eng, step, tokens: list[int], pos: int, n: int) -> int:
     return pos
 
 
-def run_config(base, cfg: Config, prompt: list[int], runs: int, n_decode: int) -> Row:
+def run_config(base, cfg: Config, prompt: list[int], runs: int, n_decode: int) -> tuple[Row, dict]:
+    """The row, and layer 0 of the first run's cache right after its prefill (the check's
+    byte test)."""
     changes = cfg.settings(base.settings.kv_window)
     warm = base.derive(**changes)  # compile this format's kernels, untimed
     short = prompt[: base.settings.prefill_chunk + 1]  # a full chunk (tiled matmul) and a short one
     decode(warm, warm.device_step(), [int(np.argmax(warm.prefill(short)))], len(short), WARMUP)
-    prefill_rates, decode_rates, tokens = [], [], None
+    prefill_rates, decode_rates, tokens, layer0 = [], [], None, None
     for _ in range(runs):
         eng = base.derive(**changes)
         t0 = time.perf_counter()
         logits = eng.prefill(prompt)  # returns host logits: the prefill has finished
         prefill_rates.append(len(prompt) / (time.perf_counter() - t0))
+        if layer0 is None:  # untimed, between the prefill and the decode steps
+            layer0 = eng.kv.snapshot(len(prompt), [0])["layers"][0]
         step = eng.device_step()
         run_tokens = [int(np.argmax(logits))]
         pos = decode(eng, step, run_tokens, len(prompt), WARMUP)
@@ -114,7 +118,7 @@ def run_config(base, cfg: Config, prompt: list[int], runs: int, n_decode: int) -
     per_token = weight_bytes(base.weights) + kv_bytes_read(eng, cfg.depth)
     return Row(cfg.fmt, cfg.mode, cfg.depth, statistics.median(prefill_rates), rate, prefill_rates, decode_rates,
                bool(step is not None and step.use_graph), cfg.depth * token_bytes(cfg.fmt, base.config), per_token,
-               per_token * rate / 1e9, eng.kv.counters.hit_rate if eng.kv.streamed else None, tokens)
+               per_token * rate / 1e9, eng.kv.counters.hit_rate if eng.kv.streamed else None, tokens), layer0
 # --8<-- [end:bench_one]
 
 
@@ -173,13 +177,13 @@ def bench(base, text: str, formats: list[str], streamed_formats: list[str], dept
         prompt = prompt_of(base, text, depth)
         configs = [Config(f, False, depth) for f in formats] + [Config(f, True, depth) for f in streamed_formats]
         for cfg in configs:
-            row = run_config(base, cfg, prompt, runs, n_decode)
+            row, layer0 = run_config(base, cfg, prompt, runs, n_decode)
             log(f"{cfg.fmt} {cfg.mode} at {depth}: prefill {row.prefill_tok_s:,.0f} tok/s, "
                 f"decode {row.decode_tok_s:,.1f} tok/s")
             if pool:
                 checks.append(pool.submit(checking.check_job, asdict(base.settings) | {"model": str(base.model.path)},
                                           cfg.settings(base.settings.kv_window),
-                                          prompt, row.tokens[:check_n]))
+                                          prompt, row.tokens[:check_n], layer0))
             result["rows"].append(row.__dict__)
     if peer:
         result["peer"] = peers.peer_rows(base.config, measured_depths, runs, n_decode, log)

@@ -56,14 +56,13 @@ MAX_HEAD_DIM = 128
 # 16 queries x 3 heads for the default model, at most MAX_TILE_ROWS, and their q values
 # fit TILE_VALUES floats. Its 128 threads are 8 row groups x 16 column groups: thread
 # (ry, cx) computes rows ry, ry + 8, ... (6 of them) against cells (or output dims) cx,
-# cx + 16, ... Under the simulator every thread is a Python thread: 2 row groups there
-# (24 rows each).
-MAX_TILE_ROWS = 48
-TILE_VALUES = 48 * 64
+# cx + 16, ... Under the simulator every thread is a Python thread, and every row of the
+# tile is computed, used or not: tiles of 12 rows there, 2 row groups of 6.
+MAX_TILE_ROWS = 12 if config.ENABLE_CUDASIM else 48
+TILE_VALUES = MAX_TILE_ROWS * 64
 COL_GROUPS = 16
 ROW_GROUPS = 2 if config.ENABLE_CUDASIM else 8
 THREADS = ROW_GROUPS * COL_GROUPS
-ROWS_PER_THREAD = MAX_TILE_ROWS // ROW_GROUPS
 MAX_TILE_QUERIES = MAX_TILE_ROWS  # one head per KV head: a row per query
 MAX_TILE_COLUMNS = 4  # selected blocks per round: 64 cells
 COLUMN_HALVES, QUERY_HALVES = 2 * MAX_TILE_COLUMNS, 2 * MAX_TILE_QUERIES  # a round's columns, by parity

@@ -288,12 +288,13 @@ class KVCache:
 
     # ---- snapshots: the host copy rewritten wholesale, then the ring restored ----------
     # --8<-- [start:snapshot_restore]
-    def snapshot(self, end: int) -> dict:
-        """The K/V bytes (and QSA bounds) of cells [0, end), as host arrays."""
+    def snapshot(self, end: int, layers: list[int] | None = None) -> dict:
+        """The K/V bytes (and QSA bounds) of cells [0, end), as host arrays: every layer, or
+        the listed ones (the bench's output check compares layer 0)."""
         nb = -(-end // BLOCK)
         self._sync_from_device()
-        layers = []
-        for L in self.layers:
+        chosen, layers = (self.layers if layers is None else [self.layers[i] for i in layers]), []
+        for L in chosen:
             src = L.host if self.streamed else L.pool
             layers.append({f: self.be.to_numpy(a)[:nb].copy() for f, a in src.items()} |
                           ({"kmin": self.be.to_numpy(L.kmin)[:nb].copy(), "kmax": self.be.to_numpy(L.kmax)[:nb].copy()}
