@@ -1,0 +1,42 @@
+"""The prompt kernel (a tile of queries per thread block, register tiles, a combine)
+against the reference: a prompt chunk's selection as rows and as one shared row, the
+output rotated back, and when queries may share a thread block (tile_for). The step
+kernel and the reference are tested in test_attention.py."""
+import numpy as np
+
+from attention_cases import HEAD_DIM, N_HEADS, N_KV, PAGE_TABLE, WRITTEN, check_rotate_out, filled_cache, queries, run
+from strata_nb.kernels.attention import ATOL, MAX_TILE_ROWS, RTOL, attention, attention_ref, tile_for
+from strata_nb.kv.select import all_blocks_upto, shared_blocks_upto
+
+
+def test_rotate_out_after_the_combine():
+    check_rotate_out(tile=5)
+
+
+def test_prompt_chunk_in_tiles():
+    """A prompt chunk's selection, as each query's row (all_blocks_upto: its blocks so far,
+    -1 after) and as one row every query shares (shared_blocks_upto, what the cache sends:
+    the positions mask the rest): several queries share each thread block, the last tile
+    partly filled, over several splits (one of them a part round) merged by several
+    combine rows."""
+    q_pos = np.arange(WRITTEN - 13, WRITTEN, dtype=np.int32)  # 78..90: blocks 4 and 5
+    most = min(len(q_pos), MAX_TILE_ROWS // (N_HEADS // N_KV))  # as many as a tile holds
+    assert tile_for(all_blocks_upto(q_pos), N_HEADS // N_KV, HEAD_DIM) == most
+    assert tile_for(shared_blocks_upto(q_pos), N_HEADS // N_KV, HEAD_DIM, len(q_pos)) == most
+    q = np.random.default_rng(3).standard_normal((len(q_pos), N_HEADS, HEAD_DIM), np.float32)
+    for fmt, blocks in (("fp16", all_blocks_upto(q_pos)), ("k8v4", shared_blocks_upto(q_pos))):
+        pool, host = filled_cache(fmt, PAGE_TABLE, n_slots=4)
+        args = (fmt, q, q_pos, blocks, PAGE_TABLE, pool, host)
+        want = run(attention_ref, *args)
+        np.testing.assert_array_equal(want, run(attention_ref, fmt, q, q_pos, all_blocks_upto(q_pos),
+                                                PAGE_TABLE, pool, host))
+        got = run(lambda *a: attention(*a, per_split=2, combine_groups=4, tile=5), *args)
+        np.testing.assert_allclose(got, want, atol=ATOL, rtol=RTOL)
+
+
+def test_queries_that_disagree_get_a_block_each():
+    """Per-query selections (QSA, a verify window) that pick different blocks in one column
+    cannot share a thread block: tile_for falls back to 1."""
+    _, _, blocks = queries(3)
+    assert tile_for(blocks, N_HEADS // N_KV, HEAD_DIM) == 1
+    assert tile_for(all_blocks_upto(np.array([3, 40], np.int32)), N_HEADS // N_KV, HEAD_DIM) == 2
