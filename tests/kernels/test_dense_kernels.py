@@ -35,7 +35,7 @@ MATVEC_CASES = [(q, n) for q in QTYPES for n in ((1, 3, 8) if ON_GPU or q == "Q4
 MATMUL_CASES = ([(q, n, (1536, 576)) for q in QTYPES for n in (11, 300)] + [("Q4_1", 257, (576, 1536))]
                 if ON_GPU else
                 [(q, 11, (29, 96)) for q in QTYPES] + [("Q4_1", 20, (37, 160)), ("Q8_0", 33, (29, 96)),
-                                                        ("Q4_0", 70, (67, 64))])  # 2 x 2 tiles of 64, both cut
+                                                        ("Q4_0", 70, (67, 64))])  # tiles cut at both edges
 N_ROWS = 67 if ON_GPU else 3  # activation rows for the elementwise kernels
 D = 576 if ON_GPU else 100  # hidden size: 100 is not a multiple of the warp
 

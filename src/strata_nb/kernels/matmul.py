@@ -33,16 +33,19 @@ Known limit: float32 multiply-adds on the SMs' CUDA cores, far from the tensor c
 from __future__ import annotations
 
 import numpy as np
-from numba import cuda, float32
+from numba import config, cuda, float32
 
 from strata_nb.kernels.launch import DeviceArgs, expect, stream
 from strata_nb.kernels.matvec import PART, PARTS, QK, QTYPES, matvec_ref, part_runs, row_bytes, weight_views
 
-TILE = 64  # rows of W and rows of x per thread block
+# Under the simulator every thread is a Python thread and every padded row is computed:
+# tiles of 16 there (8 x 8 threads, 2 x 2 outputs each), so a 15-token prompt is not
+# computed as 64 rows. The dequantization needs THREADS == TILE * PARTS either way.
+TILE = 16 if config.ENABLE_CUDASIM else 64  # rows of W and rows of x per thread block
 PITCH = TILE + 1  # the shared tiles' row length: one pad column against bank conflicts
-SIDE = 16  # the block is (16, 16) threads
+SIDE = 8 if config.ENABLE_CUDASIM else 16  # the block is (16, 16) threads on a GPU
 THREADS = SIDE * SIDE
-PER_THREAD = TILE // SIDE  # each thread: 4 rows of W x 4 rows of x
+PER_THREAD = TILE // SIDE  # each thread: 4 rows of W x 4 rows of x on a GPU
 
 
 # --8<-- [start:matmul_ref]
@@ -74,7 +77,7 @@ def make_matmul_kernel(part, nibbles):
         for r in range(PER_THREAD):
             for m in range(PER_THREAD):
                 acc[r, m] = float32(0.0)
-        row, p = t // PARTS, t % PARTS  # the weight part this thread dequantizes: 64 rows x 4 parts
+        row, p = t // PARTS, t % PARTS  # the weight part this thread dequantizes: TILE rows x 4 parts
         lo, hi = part_runs(nibbles, p)
 
         for blk in range(n_blocks):
@@ -111,6 +114,7 @@ def make_matmul_kernel(part, nibbles):
     return matmul_kernel
 
 
+assert THREADS == TILE * PARTS, "one weight part per thread"
 MATMUL_KERNELS = {qtype: make_matmul_kernel(part, nibbles) for qtype, (part, _, _, nibbles) in QTYPES.items()}
 # --8<-- [end:matmul_kernel]
 
