@@ -18,13 +18,9 @@ from importlib import resources
 
 import numpy as np
 
+from strata_nb.bench.check import byte_differences
 from strata_nb.bench.run import Config, prompt_of
 from strata_nb.engine.engine import Engine
-
-
-def byte_fractions(a: dict, b: dict) -> dict:
-    """{field: fraction of differing bytes} for one layer's K/V arrays (QSA bounds skipped)."""
-    return {f: float((a[f].view(np.uint8) != b[f].view(np.uint8)).mean()) for f in a if f not in ("kmin", "kmax")}
 
 
 def main():
@@ -50,9 +46,9 @@ def main():
     print(f"{args.kv} {'streamed' if args.streamed else 'resident'}, {args.depth} tokens: numpy chunk {chunk_a} "
           f"vs {args.against} chunk {chunk_b}")
     print(f"first logits: max |difference| {np.abs(la - lb).max():.3f}, top {int(np.argmax(la))} vs {int(np.argmax(lb))}")
-    print("layer  " + "  ".join(f"{f:>8}" for f in byte_fractions(sa["layers"][0], sb["layers"][0])))
+    print("layer  " + "  ".join(f"{f:>8}" for f in byte_differences(sa["layers"][0], sb["layers"][0], args.depth)))
     for i, (x, y) in enumerate(zip(sa["layers"], sb["layers"])):
-        print(f"{i:>5}  " + "  ".join(f"{v:8.5f}" for v in byte_fractions(x, y).values()), flush=True)
+        print(f"{i:>5}  " + "  ".join(f"{v:8.5f}" for v in byte_differences(x, y, args.depth).values()), flush=True)
 
 
 if __name__ == "__main__":

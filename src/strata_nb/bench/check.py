@@ -24,8 +24,8 @@ table shows it beside the gap, and the check can say no more than that.
 A second, sharp test does not depend on tokens at all: layer 0's K/V bytes for the
 prompt. They come from the embedding, one norm, one matrix product and RoPE, so rounding
 changes a byte only where a value sits on a rounding boundary; the numpy backend against
-itself (chunks 2,048 and 256, q4_0, 8K) changed none to five decimals. A writer that drops the host copy's bytes, or garbles a block,
-changes a whole field there. More than `LAYER0_TOL` of any field's bytes differing marks
+itself (chunks 2,048 and 256, q4_0, 8K) changed none to five decimals. A writer that
+drops the host copy's bytes, or garbles a block, changes a whole field there. More than `LAYER0_TOL` of any field's bytes differing marks
 the row broken, however chaotic its tokens are.
 """
 from __future__ import annotations
@@ -73,12 +73,16 @@ def cells_of(a: np.ndarray, end: int) -> np.ndarray:
     return a.transpose(0, 2, 1, 3).reshape(-1, a.shape[1], a.shape[3])[:end]
 
 
+def byte_differences(mine: dict, ref: dict, end: int) -> dict:
+    """{field: fraction of differing bytes} in cells [0, end), over the K/V fields of one
+    layer of two snapshots (KVCache.snapshot); the QSA bounds are not K/V bytes."""
+    return {f: float((cells_of(mine[f], end).view(np.uint8) != cells_of(ref[f], end).view(np.uint8)).mean())
+            for f in ref if f not in ("kmin", "kmax")}
+
+
 def layer0_difference(mine: dict, ref: dict, end: int) -> float:
-    """The largest fraction of differing bytes, over the K/V fields of two layer-0
-    snapshots (KVCache.snapshot), in cells [0, end)."""
-    fields = [f for f in ref if f not in ("kmin", "kmax")]
-    return max(float((cells_of(mine[f], end).view(np.uint8) != cells_of(ref[f], end).view(np.uint8)).mean())
-               for f in fields)
+    """The largest fraction of differing bytes over the K/V fields of two layer-0 snapshots."""
+    return max(byte_differences(mine, ref, end).values())
 
 
 def reference_spread(ref_logits: np.ndarray, alt_logits: np.ndarray, tokens: list[int]) -> float:

@@ -66,9 +66,6 @@ THREADS = ROW_GROUPS * COL_GROUPS
 MAX_TILE_QUERIES = MAX_TILE_ROWS  # one head per KV head: a row per query
 MAX_TILE_COLUMNS = 4  # selected blocks per round: 64 cells
 COLUMN_HALVES, QUERY_HALVES = 2 * MAX_TILE_COLUMNS, 2 * MAX_TILE_QUERIES  # a round's columns, by parity
-# Shared memory, under the 48 KiB a block may have statically (D = 64): q (12 KiB), the
-# K tile with rows padded by one value (16.3 KiB, then the round's weights), the V tile
-# (16 KiB), the rows' partial maxes and sums (3 KiB).
 # Selected blocks per thread block of the prompt kernel, at least (4 = one round); the
 # simulator's splits cover up to 64, and tests pass per_split to exercise many splits.
 BLOCKS_PER_SPLIT = 64 if config.ENABLE_CUDASIM else 4
@@ -179,8 +176,10 @@ def make_attention_kernel(read_k, read_v, D):
     DPT = D // COL_GROUPS  # output dims per thread in the V sums
     Q_ROWS = min(MAX_TILE_ROWS, TILE_VALUES // D)  # rows a tile has at most (tile_for)
     RM = Q_ROWS // ROW_GROUPS  # rows per thread
-    # The shared tiles, shaped per D. The K tile's array also holds the round's weights
-    # (Q_ROWS x CELLS) once the scores are done with it.
+    # The shared tiles, shaped per D, under the 48 KiB a block may have statically (D = 64
+    # on a GPU): q (12 KiB), the K tile with rows padded by one value (16.3 KiB), the V
+    # tile (16 KiB), the rows' partial maxes and sums (3 KiB). The K tile's array also holds
+    # the round's weights (Q_ROWS x CELLS) once the scores are done with it.
     Q_SHAPE, KP_SHAPE, V_SHAPE = (D, Q_ROWS), (max(CELLS, Q_ROWS), max(D, CELLS) + 1), (CELLS, D)
     uD, uCELLS, uRG, uCG = uint64(D), uint64(CELLS), uint64(ROW_GROUPS), uint64(COL_GROUPS)
     B_REGS = max(CPT, DPT)  # K values of the scores, then V values of the sums

@@ -293,13 +293,13 @@ class KVCache:
         the listed ones (the bench's output check compares layer 0)."""
         nb = -(-end // BLOCK)
         self._sync_from_device()
-        chosen, layers = (self.layers if layers is None else [self.layers[i] for i in layers]), []
-        for L in chosen:
+        saved = []
+        for L in (self.layers if layers is None else [self.layers[i] for i in layers]):
             src = L.host if self.streamed else L.pool
-            layers.append({f: self.be.to_numpy(a)[:nb].copy() for f, a in src.items()} |
-                          ({"kmin": self.be.to_numpy(L.kmin)[:nb].copy(), "kmax": self.be.to_numpy(L.kmax)[:nb].copy()}
-                           if L.kmin is not None else {}))
-        return {"fmt": self.fmt, "end": end, "layers": layers}
+            saved.append({f: self.be.to_numpy(a)[:nb].copy() for f, a in src.items()} |
+                         ({"kmin": self.be.to_numpy(L.kmin)[:nb].copy(), "kmax": self.be.to_numpy(L.kmax)[:nb].copy()}
+                          if L.kmin is not None else {}))
+        return {"fmt": self.fmt, "end": end, "layers": saved}
 
     def restore(self, snap: dict):
         """Rewrite the host copy (or the resident pool) from a snapshot; reset the slot table
