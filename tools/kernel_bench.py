@@ -2,7 +2,7 @@
 
     STRATA_NB_GPU=1 python tools/kernel_bench.py
 
-- attention for one decode query (one launch: the splits merge in it) at 1,024 and
+- attention for one decode query (one launch: the splits merge in it) at 48, 1,024 and
   8,192 cells of a 8,192-cell list, splits of 1, 2 and 4 blocks, fp16 and k8v4 (with
   the output rotated back), and a 256-query prompt chunk at 8K with 1, 4 and 16 queries per thread block;
 - each matvec of a decode step (fused q|k|v with its norm, o with the add, gate|up with
@@ -46,7 +46,7 @@ def attention():
         q = cuda.to_device(rng.standard_normal((1, 9, 64)).astype(np.float32))
         blocks = cuda.to_device(np.arange(N_BLOCKS, dtype=np.int32).reshape(1, N_BLOCKS))
         out = cuda.device_array((1, 9, 64), np.float32)
-        for depth in (1024, N_BLOCKS * 16):  # a replayed step lists every block: the rest are skipped
+        for depth in (48, 1024, N_BLOCKS * 16):  # a replayed step lists every block: the rest are skipped
             q_pos = cuda.to_device(np.array([depth - 1], np.int32))
             for per_split in (1, 2, 4):
                 t = us(lambda: at.attention(fmt, q, q_pos, blocks, page_table, kv, None, out,

@@ -12,7 +12,7 @@ N_BLOCKS = 13
 
 
 def run_select(impl, scores, pos, page_table, window, budget, width):
-    chosen = np.full(N_BLOCKS, 7, np.int32)
+    chosen = np.full(scores.shape[1], 7, np.int32)
     out = np.full((1, width), 99, np.int32)
     counts = np.array([5, 1, 2], np.int64)  # added to, not overwritten
     impl(scores, np.array([pos], np.int32), page_table, window, budget, chosen, out, counts)
@@ -41,6 +41,25 @@ def test_select_blocks_kernel_equals_ref(pos, window, budget):
     if budget:  # the reference is the host path's own choice
         assert list(sel) == list(host_select_blocks(scores, np.array([pos]), window, budget)[0])
     assert want[2][0] == 5 + len(sel) and want[2][1] == 1 + (page_table[sel] < 0).sum() and want[2][2] == 3
+
+
+@pytest.mark.parametrize("budget", [640, 0])
+def test_select_blocks_kernel_many_blocks(budget):
+    """More blocks than threads, and candidates past the kernel's shared copy of the scores
+    (the simulator's 32 threads and 64 shared scores; the GPU's 512 and 8,192): each thread
+    owns a run of blocks, and the scan over the threads places their picks."""
+    n_blocks = 150
+    rng = np.random.default_rng(budget)
+    scores = rng.standard_normal((1, n_blocks)).astype(np.float32)
+    scores[0, [3, 70, 71, 120]] = 2.0  # ties on both sides of the shared copy's end
+    page_table = np.where(rng.random(n_blocks) < 0.3, rng.integers(0, 9, n_blocks), -1).astype(np.int32)
+    pos, window = 146 * 16 + 5, 3
+    width = n_blocks if budget == 0 else budget // 16
+    want = run_select(select_blocks_ref, scores, pos, page_table, window, budget, width)
+    got = run_select(select_blocks, scores, pos, page_table, window, budget, width)
+    for w, g in zip(want, got):
+        assert w.tobytes() == g.tobytes()
+    assert (want[1][0] >= 0).sum() == (147 if budget == 0 else 40)
 
 
 def test_select_blocks_ranks_ties_by_block():

@@ -145,8 +145,6 @@ def make_attention_step_kernel(read_k, read_v, G, D):
         acc = cuda.local.array(G, float32)  # this thread's sum for each head (registers: G is fixed)
         ahead = cuda.local.array((MERGE_UNROLL, G), float32)  # the merge's loads in flight
 
-        for e in range(t, G * D, n_threads):
-            q_g[e] = q[i, kv_h * G + e // D, e % D]
         first = split * per_split
         for s in range(t, per_split, n_threads):
             b = blocks[i, first + s] if first + s < blocks.shape[1] else -1
@@ -157,101 +155,112 @@ def make_attention_step_kernel(read_k, read_v, G, D):
             from_host[s] = 1 if slot < 0 else 0
         cuda.syncthreads()
 
-        # Unpack: thread u of a column reads value u of the block's 16 K (or V) rows. All
-        # 16 cells, even those after the query (unwritten bytes, maybe NaN): their scores
-        # are never computed and their V never weighted.
-        for e in range(t, per_split * 2 * D, n_threads):
-            s, u = e // (2 * D), e % (2 * D)
+        # A split that sees no cell (a replayed resident step lists every block of the
+        # cache, so at a short context most splits are past the query) skips to its
+        # record: sums 0, m = -inf, l = 0, which the merge weighs 0.
+        seen_any = 0
+        for s in range(per_split):
             if start[s] >= 0:
-                r = row[s]
-                if u < D:
-                    if from_host[s] == 1:
-                        read_k(host_ka, host_kb, r, kv_h, u, column)
+                seen_any = 1
+        if seen_any == 1:  # the same for every thread: the barriers inside are reached by all
+            for e in range(t, G * D, n_threads):
+                q_g[e] = q[i, kv_h * G + e // D, e % D]
+            # Unpack: thread u of a column reads value u of the block's 16 K (or V) rows. All
+            # 16 cells, even those after the query (unwritten bytes, maybe NaN): their scores
+            # are never computed and their V never weighted.
+            for e in range(t, per_split * 2 * D, n_threads):
+                s, u = e // (2 * D), e % (2 * D)
+                if start[s] >= 0:
+                    r = row[s]
+                    if u < D:
+                        if from_host[s] == 1:
+                            read_k(host_ka, host_kb, r, kv_h, u, column)
+                        else:
+                            read_k(pool_ka, pool_kb, r, kv_h, u, column)
+                        for c in range(BLOCK):
+                            k_tile[(s * BLOCK + c) * (D + 1) + u] = column[c]
                     else:
-                        read_k(pool_ka, pool_kb, r, kv_h, u, column)
-                    for c in range(BLOCK):
-                        k_tile[(s * BLOCK + c) * (D + 1) + u] = column[c]
-                else:
-                    if from_host[s] == 1:
-                        read_v(host_va, host_vb, r, kv_h, u - D, column)
-                    else:
-                        read_v(pool_va, pool_vb, r, kv_h, u - D, column)
-                    for c in range(BLOCK):
-                        v_tile[(s * BLOCK + c) * D + u - D] = column[c]
-        cuda.syncthreads()
+                        if from_host[s] == 1:
+                            read_v(host_va, host_vb, r, kv_h, u - D, column)
+                        else:
+                            read_v(pool_va, pool_vb, r, kv_h, u - D, column)
+                        for c in range(BLOCK):
+                            v_tile[(s * BLOCK + c) * D + u - D] = column[c]
+            cuda.syncthreads()
 
-        # Partial scores: thread (p, c) dots part p of cell c's K row with all G query rows
-        # (each K value read once for the G heads). Cells after the query are skipped.
-        span = D // parts
-        for e in range(t, parts * cells, n_threads):
-            p, c = e // cells, e % cells
-            s = c // BLOCK
-            if start[s] >= 0 and start[s] + c % BLOCK <= pos:
+            # Partial scores: thread (p, c) dots part p of cell c's K row with all G query rows
+            # (each K value read once for the G heads). Cells after the query are skipped.
+            span = D // parts
+            for e in range(t, parts * cells, n_threads):
+                p, c = e // cells, e % cells
+                s = c // BLOCK
+                if start[s] >= 0 and start[s] + c % BLOCK <= pos:
+                    for g in range(G):
+                        acc[g] = float32(0.0)
+                    for j in range(p * span, p * span + span):
+                        k = k_tile[c * (D + 1) + j]
+                        for g in range(G):
+                            acc[g] += q_g[g * D + j] * k
+                    for g in range(G):
+                        dots[(p * G + g) * cells + c] = acc[g]
+            cuda.syncthreads()
+
+            # Softmax of each head over the split's cells, one warp per head (rounds of
+            # n_warps heads, so every warp reaches each reduction together). A masked cell's
+            # weight is -1 for every head: its V is never read.
+            for g0 in range(0, G, n_warps):
+                g = g0 + warp
+                m = NEG_INF
+                if g < G:
+                    for c in range(lane, cells, WARP):
+                        x = NEG_INF
+                        if start[c // BLOCK] >= 0 and start[c // BLOCK] + c % BLOCK <= pos:
+                            x = float32(0.0)
+                            for p in range(parts):
+                                x += dots[(p * G + g) * cells + c]
+                            x *= scale
+                        weights[g, c] = x
+                        m = max(m, x)
+                m = warp_max(m)
+                l = float32(0.0)
+                if g < G:
+                    for c in range(lane, cells, WARP):
+                        x = weights[g, c]
+                        if x > NEG_INF:
+                            x = math.exp(x - m)
+                            l += x
+                        else:
+                            x = float32(-1.0)
+                        weights[g, c] = x
+                l = warp_sum(l)
+                if g < G and lane == 0:
+                    top[g], total[g] = m, l
+            cuda.syncthreads()
+
+            # This split's record: thread (lane_c, d) sums V[c, d] over every LANES-th cell for
+            # all G heads; the lanes' sums meet in shared memory (dots), added in lane order.
+            for e in range(t, LANES * D, n_threads):
+                lc, d = e // D, e % D
                 for g in range(G):
                     acc[g] = float32(0.0)
-                for j in range(p * span, p * span + span):
-                    k = k_tile[c * (D + 1) + j]
-                    for g in range(G):
-                        acc[g] += q_g[g * D + j] * k
+                for c in range(lc, cells, LANES):
+                    if weights[0, c] >= 0:  # a masked cell may hold NaN: 0 * NaN is NaN
+                        v = v_tile[c * D + d]
+                        for g in range(G):
+                            acc[g] += weights[g, c] * v
                 for g in range(G):
-                    dots[(p * G + g) * cells + c] = acc[g]
-        cuda.syncthreads()
-
-        # Softmax of each head over the split's cells, one warp per head (rounds of
-        # n_warps heads, so every warp reaches each reduction together). A masked cell's
-        # weight is -1 for every head: its V is never read.
-        for g0 in range(0, G, n_warps):
-            g = g0 + warp
-            m = NEG_INF
-            if g < G:
-                for c in range(lane, cells, WARP):
-                    x = NEG_INF
-                    if start[c // BLOCK] >= 0 and start[c // BLOCK] + c % BLOCK <= pos:
-                        x = float32(0.0)
-                        for p in range(parts):
-                            x += dots[(p * G + g) * cells + c]
-                        x *= scale
-                    weights[g, c] = x
-                    m = max(m, x)
-            m = warp_max(m)
-            l = float32(0.0)
-            if g < G:
-                for c in range(lane, cells, WARP):
-                    x = weights[g, c]
-                    if x > NEG_INF:
-                        x = math.exp(x - m)
-                        l += x
-                    else:
-                        x = float32(-1.0)
-                    weights[g, c] = x
-            l = warp_sum(l)
-            if g < G and lane == 0:
-                top[g], total[g] = m, l
-        cuda.syncthreads()
-
-        # This split's record: thread (lane_c, d) sums V[c, d] over every LANES-th cell for
-        # all G heads; the lanes' sums meet in shared memory (dots), added in lane order.
-        for e in range(t, LANES * D, n_threads):
-            lc, d = e // D, e % D
-            for g in range(G):
-                acc[g] = float32(0.0)
-            for c in range(lc, cells, LANES):
-                if weights[0, c] >= 0:  # a masked cell may hold NaN: 0 * NaN is NaN
-                    v = v_tile[c * D + d]
-                    for g in range(G):
-                        acc[g] += weights[g, c] * v
-            for g in range(G):
-                dots[(lc * G + g) * D + d] = acc[g]
-        cuda.syncthreads()
+                    dots[(lc * G + g) * D + d] = acc[g]
+            cuda.syncthreads()
         for e in range(t, G * D, n_threads):
             g, d = e // D, e % D
             x = float32(0.0)
-            for lc in range(LANES):
-                x += dots[(lc * G + g) * D + d]
+            if seen_any == 1:
+                for lc in range(LANES):
+                    x += dots[(lc * G + g) * D + d]
             records[i, kv_h, split, g, d] = x
         for g in range(t, G, n_threads):
-            records[i, kv_h, split, g, D] = top[g]
-            records[i, kv_h, split, g, D + 1] = total[g]
+            records[i, kv_h, split, g, D] = top[g] if seen_any == 1 else NEG_INF
+            records[i, kv_h, split, g, D + 1] = total[g] if seen_any == 1 else float32(0.0)
 
         # The ticket: every thread's writes reach the whole GPU before the count does.
         cuda.threadfence()

@@ -16,20 +16,27 @@ of those were not in VRAM (all of them read in place).
 
 One thread block. Block b is chosen if it is in the window or block 0, or if fewer than
 `take` other candidates outrank it: a higher score, or the same score and a lower index.
-That rank is the block's place in the stable sort, so the choice is the host's. Each
-chosen block's place in the list is the number of chosen blocks before it. Both counts
-loop over every block: n^2 comparisons, 262,144 for 8K of context, a few us on a GPU.
+That rank is the block's place in the stable sort, so the choice is the host's. The
+candidates' scores are first copied into shared memory, since every thread compares its
+block against all of them (n^2 comparisons, 262,144 at 8K of context). Each chosen
+block's place in the list is the number of chosen blocks before it: each thread owns a
+contiguous run of blocks, and a scan over the threads' pick counts gives each run its
+start. The first version read the scores from global memory and counted the places
+block by block; at 8K of context it took 70 us a layer on the H200.
 """
 from __future__ import annotations
 
 import numpy as np
-from numba import config, cuda
+from numba import config, cuda, float32, int32
 
 from strata_nb.kernels.launch import DeviceArgs, expect, stream
 from strata_nb.kv.formats import BLOCK
 from strata_nb.kv import select as host_select
 
 THREADS = 32 if config.ENABLE_CUDASIM else 512
+# Candidates whose scores the kernel holds in shared memory (8,192 blocks: 128K cells of
+# context); the scores of later ones are read from global memory.
+SHARED_SCORES = 64 if config.ENABLE_CUDASIM else 8192
 
 
 # --8<-- [start:select_blocks_ref]
@@ -59,39 +66,60 @@ def select_blocks_ref(scores,      # (1, n_blocks) float32 (unread when dense)
 # --8<-- [start:select_blocks_kernel]
 @cuda.jit
 def select_blocks_kernel(scores, q_pos, page_table, window_blocks, budget_cells, chosen, out, counts):
-    t, n_threads = cuda.threadIdx.x, cuda.blockDim.x
+    t = cuda.threadIdx.x
     n_blocks = chosen.shape[0]
     last = q_pos[0] // BLOCK
     first_window = max(0, last - window_blocks + 1)
     n_always = last - first_window + 1 + (1 if first_window > 0 else 0)  # the window, and block 0
     take = max(0, max(1, budget_cells // BLOCK) - n_always)
-    for b in range(t, n_blocks, n_threads):
+    # The candidates' scores, copied once into shared memory: every thread reads all of them.
+    cand = cuda.shared.array(SHARED_SCORES, float32)
+    if budget_cells > 0:
+        for c in range(t, min(first_window, SHARED_SCORES), THREADS):
+            cand[c] = scores[0, c]
+    for j in range(t, out.shape[1], THREADS):
+        out[0, j] = -1
+    cuda.syncthreads()
+    # Thread t owns a contiguous run of blocks, so its picks land next to each other in the list.
+    per_thread = (n_blocks + THREADS - 1) // THREADS
+    mine_from, mine_to = min(n_blocks, t * per_thread), min(n_blocks, (t + 1) * per_thread)
+    n_mine = 0
+    for b in range(mine_from, mine_to):
         pick = 0
         if b <= last:
             if budget_cells == 0 or b == 0 or b >= first_window:
                 pick = 1
             else:  # b's place among the other candidates, in a stable sort by score, high first
+                mine = cand[b] if b < SHARED_SCORES else scores[0, b]
                 rank = 0
                 for c in range(1, first_window):
-                    if scores[0, c] > scores[0, b] or (scores[0, c] == scores[0, b] and c < b):
+                    other = cand[c] if c < SHARED_SCORES else scores[0, c]
+                    if other > mine or (other == mine and c < b):
                         rank += 1
                 pick = 1 if rank < take else 0
         chosen[b] = pick
-    for j in range(t, out.shape[1], n_threads):
-        out[0, j] = -1
-    cuda.syncthreads()  # every flag and the padding written before the list is filled in
-    looked, missing = 0, 0
-    for b in range(t, n_blocks, n_threads):
+        n_mine += pick
+    # Each chosen block's place in the list: the picks of the threads before t (a scan).
+    picks = cuda.shared.array((2, THREADS), int32)  # two rows: each round reads one, writes the other
+    picks[0, t] = n_mine
+    cuda.syncthreads()
+    row, step = 0, 1
+    while step < THREADS:
+        total = picks[row, t] + (picks[row, t - step] if t >= step else 0)
+        picks[1 - row, t] = total
+        row = 1 - row
+        step *= 2
+        cuda.syncthreads()
+    place = picks[row, t] - n_mine  # picks of threads 0 .. t-1
+    missing = 0
+    for b in range(mine_from, mine_to):
         if chosen[b] == 1:
-            place = 0
-            for c in range(b):
-                place += chosen[c]
             out[0, place] = b
-            looked += 1
+            place += 1
             if page_table[b] < 0:
                 missing += 1
-    if looked > 0:
-        cuda.atomic.add(counts, 0, looked)
+    if n_mine > 0:
+        cuda.atomic.add(counts, 0, n_mine)
         cuda.atomic.add(counts, 1, missing)
     if t == 0:
         cuda.atomic.add(counts, 2, 1)
