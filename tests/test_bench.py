@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from strata_nb.bench.check import GAP_TOL, LAYER0_TOL, check_tokens, reference_spread
-from strata_nb.bench.report import table
+from strata_nb.bench.report import table, write
 from strata_nb.cli import main
 
 
@@ -128,6 +128,24 @@ def test_a_broken_row_cannot_look_like_a_win():
                check=dict(tokens=32, exact=3, max_gap=7.5, broken=True))
     md = table({"rows": [row], "copy_gb_s": None})
     assert "~~k8v4 resident~~" in md and "**BROKEN**" in md
+
+
+def test_the_report_has_a_section_per_profiled_step(tmp_path):
+    """The bench profiles a resident step and, with streamed rows, a streamed one (on a GPU,
+    with torch); the markdown gets a per-kernel table for each."""
+    def prof(kernels):
+        return dict(kernels=kernels, gpu_us=sum(us for _, us in kernels.values()), graph_wall_us=2600.0,
+                    eager_wall_us=9e4, launches=sum(n for n, _ in kernels.values()), prefill_chunk=16,
+                    prefill_kernels={"matmul_kernel": (30, 900.0)}, prefill_gpu_us=900.0)
+    result = {"rows": [], "copy_gb_s": None, "command": "strata-nb bench", "model": "m", "device": "d", "runs": 5,
+              "decode_tokens": 32,
+              "profile": prof({"attention_step_kernel": (30, 980.0)}) | {"config": "k8v4 resident at 8000"},
+              "profile_streamed": prof({"select_blocks_kernel": (30, 268.3), "attention_step_kernel": (30, 895.5)})
+              | {"config": "k8v4 streamed at 8000"}}
+    write(result, tmp_path)
+    md = (tmp_path / "bench.md").read_text()
+    assert "## One decode step, k8v4 resident at 8000" in md and "## One decode step, k8v4 streamed at 8000" in md
+    assert "| `select_blocks_kernel` | 30 | 268.3 | 23.1% |" in md
 
 
 @pytest.mark.parametrize("more, message", [

@@ -9,7 +9,7 @@ from numba import cuda
 from attention_cases import (HEAD_DIM, N_BLOCKS, N_HEADS, N_KV, PAGE_TABLE, WRITTEN, check_rotate_out, filled_cache,
                              mapped_copy, queries, run)
 from strata_nb.kernels.attention import ATOL, RTOL, attention, attention_ref
-from strata_nb.kernels.attention_step import arrivals
+from strata_nb.kernels.launch import ticket_counters
 from strata_nb.kernels.quant_int8 import dequantize_int8_ref
 from strata_nb.kernels.quant_q4_0 import dequantize_q4_0_ref
 from strata_nb.kv.formats import BLOCK, FORMATS
@@ -48,7 +48,7 @@ def test_step_kernel_leaves_its_tickets_at_zero():
     args = ("int8", *queries(3), PAGE_TABLE, pool, host)
     first = run(lambda *a: attention(*a, per_split=1), *args)
     np.testing.assert_allclose(first, run(attention_ref, *args), atol=ATOL, rtol=RTOL)
-    assert not arrivals(3, N_KV).copy_to_host().any()
+    assert not ticket_counters("attention_step", (3, N_KV)).copy_to_host().any()
     np.testing.assert_array_equal(run(lambda *a: attention(*a, per_split=1), *args), first)
 
 

@@ -102,8 +102,9 @@ def write(result: dict, out: Path) -> list[Path]:
     md = ["# strata-nb bench", "", f"`{result['command']}`", "",
           f"Model: {result['model']}; device: {result['device']}; runs: {result['runs']} (median); "
           f"decode tokens per run: {result['decode_tokens']}.", "", table(result)]
-    if result.get("profile"):
-        md += ["", f"## One decode step, {result['profile']['config']}", "", profile_table(result["profile"])]
+    for key in ("profile", "profile_streamed"):
+        if result.get(key):
+            md += ["", f"## One decode step, {result[key]['config']}", "", profile_table(result[key])]
     written[1].write_text("\n".join(md) + "\n")
     if plot(result, out / "bench.png"):
         written.append(out / "bench.png")

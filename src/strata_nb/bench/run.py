@@ -187,12 +187,17 @@ def bench(base, text: str, formats: list[str], streamed_formats: list[str], dept
             result["rows"].append(row.__dict__)
     if peer:
         result["peer"] = peers.peer_rows(base.config, measured_depths, runs, n_decode, log)
-    if profile and base.be.name == "cuda":
-        fmt = "k8v4" if "k8v4" in formats or not formats else formats[0]
+    if profile and base.be.name == "cuda":  # one resident step and, with streamed rows, one streamed step
         depth = measured_depths[-1] - 4 * STEPS  # room for the profiled steps
+        profiled = [("profile", Config("k8v4" if "k8v4" in formats or not formats else formats[0], False, depth))]
+        if streamed_formats:
+            fmt = "k8v4" if "k8v4" in streamed_formats else streamed_formats[0]
+            profiled.append(("profile_streamed", Config(fmt, True, depth)))
         try:
-            eng = base.derive(kv=fmt, kv_resident=0, qsa_budget=0)
-            result["profile"] = profile_decode(eng, prompt_of(base, text, depth)) | {"config": f"{fmt} resident at {depth}"}
+            for key, cfg in profiled:
+                eng = base.derive(**cfg.settings(base.settings.kv_window))
+                result[key] = profile_decode(eng, prompt_of(base, text, depth)) | {
+                    "config": f"{cfg.fmt} {cfg.mode} at {depth}"}
         except ImportError:
             log("profile: torch is not importable; no per-kernel breakdown")
     for row, future in zip(result["rows"], checks):

@@ -47,7 +47,7 @@ from numba import config, cuda, float32, int32
 
 from strata_nb.kernels.hadamard import fwht64_rows
 from strata_nb.kernels.kv_readers import READERS, SIDES
-from strata_nb.kernels.launch import Capture, device_empty, stream
+from strata_nb.kernels.launch import device_empty, stream, ticket_counters
 from strata_nb.kernels.reduce import WARP, warp_max, warp_sum
 from strata_nb.kv.formats import BLOCK
 
@@ -369,16 +369,4 @@ def attention_step(fmt, n_kv, args, sides, out, rotate_out: bool, per_split: int
     parts = score_parts(per_split * BLOCK, head_dim)
     STEP_KERNELS[fmt, group, head_dim][(n_q, n_kv, n_splits), STEP_THREADS, stream()](
         *args, np.int32(per_split), np.int32(parts), np.int32(rotate_out), *sides, records,
-        arrivals(n_q, n_kv), out)
-
-
-_ARRIVALS: dict = {}
-
-
-def arrivals(n_q: int, n_kv: int):
-    """The (n_q, n_kv) int32 ticket counters: zeroed once, and every launch leaves them 0."""
-    key = (n_q, n_kv)
-    if key not in _ARRIVALS:
-        assert Capture.keep is None, "the ticket counters are made before a graph capture, not during"
-        _ARRIVALS[key] = cuda.to_device(np.zeros(key, np.int32))
-    return _ARRIVALS[key]
+        ticket_counters("attention_step", (n_q, n_kv)), out)

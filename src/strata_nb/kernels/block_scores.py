@@ -6,10 +6,12 @@ makes q_d * k_d larger). A query token reads one set of blocks for all its heads
 score for a block is the largest bound over its heads, each head using the bounds of its
 GQA group's KV head.
 
-The kernel gives each (query, block) pair one warp: lane l sums dims l, l + 32, ... of a
-head's bound and a warp sum adds the lanes. A decode step scores 512 blocks at 8K of
-context; one thread per pair, walking 9 heads x 64 dims alone, took 87 us a layer on the
-H200, one warp per pair takes a few.
+The kernel gives each (query, block) pair a thread block of n_kv x head_dim threads:
+thread (g, d) loads dim d of KV head g's bounds, so the block's loads all go out at
+once, and one warp sum per query head of the group adds its dims. A decode step scores
+512 blocks at 8K of context. One thread per pair, walking 9 heads x 64 dims alone, took
+87 us a layer on the H200; one warp per pair, 9.3 us (a warp sum per head, and each
+head's loads waiting for the last one's sum).
 """
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ from numba import cuda, float32
 from strata_nb.kernels.launch import DeviceArgs, expect, stream
 from strata_nb.kernels.reduce import NEG_INF, WARP, warp_sum
 
-WARPS_PER_BLOCK = 4  # (query, block) pairs per thread block
+MAX_WARPS = 32  # n_kv * head_dim threads in a thread block: at most 1,024
+MAX_GROUP = 64  # query heads per KV head
 
 
 # --8<-- [start:block_scores_ref]
@@ -39,22 +42,28 @@ def block_scores_ref(q,       # (n_q, n_heads, hd) float32 (rotated when the for
 # --8<-- [start:block_scores_kernel]
 @cuda.jit
 def block_scores_kernel(q, kmin, kmax, scores):
-    # One warp per (query, block): lane l takes dims l, l + 32, ...; a warp sum per head.
-    lane = cuda.threadIdx.x % WARP
-    pair = cuda.blockIdx.x * WARPS_PER_BLOCK + cuda.threadIdx.x // WARP
-    n_q, n_heads, hd = q.shape
-    n_blocks = kmin.shape[0]
+    # One thread block per (query, block); thread (g, d) takes dim d of KV head g.
+    b, i, t = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x
+    n_heads, hd = q.shape[1], q.shape[2]
     group = n_heads // kmin.shape[1]
-    live = pair < n_q * n_blocks  # a warp past the end still joins the warp sums
-    i, b = (pair // n_blocks, pair % n_blocks) if live else (0, 0)
-    best = NEG_INF
-    for h in range(n_heads):
-        g = h // group
-        part = float32(0.0)
-        for d in range(lane, hd, WARP):
-            part += max(q[i, h, d] * kmin[b, g, d], q[i, h, d] * kmax[b, g, d])
-        best = max(best, warp_sum(part))
-    if live and lane == 0:
+    g, d = t // hd, t % hd
+    lane, warp = t % WARP, t // WARP
+    lo, hi = kmin[b, g, d], kmax[b, g, d]  # every thread's loads in flight at once
+    sums = cuda.shared.array((MAX_WARPS, MAX_GROUP), float32)  # [warp, head in group]: its dims' sum
+    for h in range(group):
+        x = q[i, g * group + h, d]
+        s = warp_sum(max(x * lo, x * hi))
+        if lane == 0:
+            sums[warp, h] = s
+    cuda.syncthreads()
+    if t == 0:  # each head's bound: its warps' sums in order; the score: the largest bound
+        warps_per_head = hd // WARP
+        best = NEG_INF
+        for h in range(n_heads):
+            bound = float32(0.0)
+            for w in range(warps_per_head):
+                bound += sums[(h // group) * warps_per_head + w, h % group]
+            best = max(best, bound)
         scores[i, b] = best
 # --8<-- [end:block_scores_kernel]
 # --8<-- [end:block_scores_kernel]
@@ -67,6 +76,8 @@ def block_scores(q, kmin, kmax, scores):
     expect("kmax", kmax, np.float32, kmin.shape)
     expect("scores", scores, np.float32, (q.shape[0], kmin.shape[0]))
     with DeviceArgs() as dev:
-        pairs = q.shape[0] * kmin.shape[0]
-        block_scores_kernel[(pairs + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK, WARPS_PER_BLOCK * WARP, stream()](
+        n_kv, hd = kmin.shape[1], kmin.shape[2]
+        assert hd % WARP == 0 and n_kv * hd <= MAX_WARPS * WARP and q.shape[1] // n_kv <= MAX_GROUP, \
+            f"no block_scores for {n_kv} KV heads of {hd} dims, {q.shape[1]} query heads"
+        block_scores_kernel[(kmin.shape[0], q.shape[0]), n_kv * hd, stream()](
             dev.read(q), dev.read(kmin), dev.read(kmax), dev.write(scores))

@@ -59,6 +59,20 @@ def device_empty(shape, dtype):
 # --8<-- [end:launch_stream]
 
 
+_TICKETS: dict = {}
+
+
+def ticket_counters(owner: str, shape: tuple):
+    """Int32 counters for a kernel whose last-arriving thread block finishes the work
+    (attention_step's merge, select_blocks' list): zeroed once, and every launch leaves
+    them 0 again. One set per (owner, shape), made before any graph capture uses them."""
+    key = (owner, shape)
+    if key not in _TICKETS:
+        assert Capture.keep is None, f"{owner}'s ticket counters are made before a graph capture, not during"
+        _TICKETS[key] = cuda.to_device(np.zeros(shape, np.int32))
+    return _TICKETS[key]
+
+
 def is_host_numpy(a) -> bool:
     """A NumPy array the GPU cannot read in place (mapped host arrays and device arrays can)."""
     return isinstance(a, np.ndarray) and not hasattr(a, "__cuda_array_interface__")

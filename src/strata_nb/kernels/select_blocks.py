@@ -14,29 +14,38 @@ same bytes in the same order and give the same bits.
 It also counts, for the cache's counters, how many blocks the step looked up and how many
 of those were not in VRAM (all of them read in place).
 
-One thread block. Block b is chosen if it is in the window or block 0, or if fewer than
-`take` other candidates outrank it: a higher score, or the same score and a lower index.
-That rank is the block's place in the stable sort, so the choice is the host's. The
-candidates' scores are first copied into shared memory, since every thread compares its
-block against all of them (n^2 comparisons, 262,144 at 8K of context). Each chosen
-block's place in the list is the number of chosen blocks before it: each thread owns a
-contiguous run of blocks, and a scan over the threads' pick counts gives each run its
-start. The first version read the scores from global memory and counted the places
-block by block; at 8K of context it took 70 us a layer on the H200.
+Block b is chosen if it is in the window or block 0, or if fewer than `take` other
+candidates outrank it: a higher score, or the same score and a lower index. That rank is
+the block's place in the stable sort, so the choice is the host's. Ranking every
+candidate against every other is n^2 comparisons (about 240,000 at 8K of context), so it is
+spread over the GPU: a thread block ranks 32 blocks, 8 threads per block, each thread
+comparing against every 8th candidate, from a copy of the scores in shared memory. Each chosen block's place in the list is the
+number of chosen blocks before it; the thread block that finishes last (a ticket, as in
+attention_step.py) writes the list: each of its threads owns a contiguous run of blocks,
+and a scan over the threads' pick counts gives each run its start.
+
+The first version was one thread block of 512 threads, each ranking its block against
+all the others and then counting its place block by block: 70 us a layer at 8K of
+context on the H200, 49 us with the scores in shared memory and the places from a scan.
+A single SM simply had too many comparisons to make.
 """
 from __future__ import annotations
 
 import numpy as np
 from numba import config, cuda, float32, int32
 
-from strata_nb.kernels.launch import DeviceArgs, expect, stream
+from strata_nb.kernels.launch import DeviceArgs, expect, stream, ticket_counters
 from strata_nb.kv.formats import BLOCK
 from strata_nb.kv import select as host_select
 
-THREADS = 32 if config.ENABLE_CUDASIM else 512
-# Candidates whose scores the kernel holds in shared memory (8,192 blocks: 128K cells of
-# context); the scores of later ones are read from global memory.
-SHARED_SCORES = 64 if config.ENABLE_CUDASIM else 8192
+# A thread block ranks CANDIDATES blocks, PARTS threads each (under the simulator fewer
+# Python threads: 8 x 4).
+CANDIDATES = 8 if config.ENABLE_CUDASIM else 32
+PARTS = 4 if config.ENABLE_CUDASIM else 8
+THREADS = CANDIDATES * PARTS
+# Candidates whose scores a thread block holds in shared memory (4,096 blocks: 64K cells
+# of context); the scores of later ones are read from global memory.
+SHARED_SCORES = 64 if config.ENABLE_CUDASIM else 4096
 
 
 # --8<-- [start:select_blocks_ref]
@@ -65,48 +74,74 @@ def select_blocks_ref(scores,      # (1, n_blocks) float32 (unread when dense)
 
 # --8<-- [start:select_blocks_kernel]
 @cuda.jit
-def select_blocks_kernel(scores, q_pos, page_table, window_blocks, budget_cells, chosen, out, counts):
+def select_blocks_kernel(scores, q_pos, page_table, window_blocks, budget_cells, chosen, out, counts, arrivals):
     t = cuda.threadIdx.x
     n_blocks = chosen.shape[0]
     last = q_pos[0] // BLOCK
     first_window = max(0, last - window_blocks + 1)
     n_always = last - first_window + 1 + (1 if first_window > 0 else 0)  # the window, and block 0
     take = max(0, max(1, budget_cells // BLOCK) - n_always)
-    # The candidates' scores, copied once into shared memory: every thread reads all of them.
+
+    # Rank: threads (j, 0 .. PARTS-1) count the candidates that outrank block b, each
+    # over every PARTS-th candidate: a higher score, or the same score and a lower index.
+    # The candidates' scores are read by every thread: first into shared memory.
+    j, p = t // PARTS, t % PARTS
+    b = cuda.blockIdx.x * CANDIDATES + j
     cand = cuda.shared.array(SHARED_SCORES, float32)
-    if budget_cells > 0:
+    if budget_cells > 0 and cuda.blockIdx.x * CANDIDATES < first_window:  # this block ranks some
         for c in range(t, min(first_window, SHARED_SCORES), THREADS):
             cand[c] = scores[0, c]
-    for j in range(t, out.shape[1], THREADS):
-        out[0, j] = -1
     cuda.syncthreads()
-    # Thread t owns a contiguous run of blocks, so its picks land next to each other in the list.
+    candidate = budget_cells > 0 and 0 < b < first_window
+    beaten = 0
+    if candidate:
+        mine = scores[0, b]
+        for c in range(1 + p, first_window, PARTS):
+            other = cand[c] if c < SHARED_SCORES else scores[0, c]
+            if other > mine or (other == mine and c < b):
+                beaten += 1
+    parts = cuda.shared.array((CANDIDATES, PARTS), int32)
+    parts[j, p] = beaten
+    cuda.syncthreads()
+    if p == 0 and b < n_blocks:
+        pick = 0
+        if b <= last:
+            if candidate:
+                rank = 0
+                for u in range(PARTS):
+                    rank += parts[j, u]
+                pick = 1 if rank < take else 0
+            else:  # dense, block 0 or the window
+                pick = 1
+        chosen[b] = pick
+
+    # The ticket: every flag reaches the whole GPU before the count does. The block that
+    # draws the last one writes the list.
+    cuda.threadfence()
+    cuda.syncthreads()
+    is_last = cuda.shared.array(1, int32)
+    if t == 0:
+        is_last[0] = 1 if cuda.atomic.add(arrivals, 0, 1) == cuda.gridDim.x - 1 else 0
+    cuda.syncthreads()
+    if is_last[0] == 0:
+        return
+    if t == 0:
+        arrivals[0] = 0  # ready for the next launch or graph replay
+
+    # Each chosen block's place in the list is the number of chosen blocks before it:
+    # thread t owns a contiguous run of blocks, and a scan over the threads' pick counts
+    # gives each run its start.
     per_thread = (n_blocks + THREADS - 1) // THREADS
     mine_from, mine_to = min(n_blocks, t * per_thread), min(n_blocks, (t + 1) * per_thread)
     n_mine = 0
     for b in range(mine_from, mine_to):
-        pick = 0
-        if b <= last:
-            if budget_cells == 0 or b == 0 or b >= first_window:
-                pick = 1
-            else:  # b's place among the other candidates, in a stable sort by score, high first
-                mine = cand[b] if b < SHARED_SCORES else scores[0, b]
-                rank = 0
-                for c in range(1, first_window):
-                    other = cand[c] if c < SHARED_SCORES else scores[0, c]
-                    if other > mine or (other == mine and c < b):
-                        rank += 1
-                pick = 1 if rank < take else 0
-        chosen[b] = pick
-        n_mine += pick
-    # Each chosen block's place in the list: the picks of the threads before t (a scan).
+        n_mine += chosen[b]
     picks = cuda.shared.array((2, THREADS), int32)  # two rows: each round reads one, writes the other
     picks[0, t] = n_mine
     cuda.syncthreads()
     row, step = 0, 1
     while step < THREADS:
-        total = picks[row, t] + (picks[row, t - step] if t >= step else 0)
-        picks[1 - row, t] = total
+        picks[1 - row, t] = picks[row, t] + (picks[row, t - step] if t >= step else 0)
         row = 1 - row
         step *= 2
         cuda.syncthreads()
@@ -118,6 +153,8 @@ def select_blocks_kernel(scores, q_pos, page_table, window_blocks, budget_cells,
             place += 1
             if page_table[b] < 0:
                 missing += 1
+    for k in range(picks[row, THREADS - 1] + t, out.shape[1], THREADS):
+        out[0, k] = -1  # the padding after the list
     if n_mine > 0:
         cuda.atomic.add(counts, 0, n_mine)
         cuda.atomic.add(counts, 1, missing)
@@ -135,6 +172,7 @@ def select_blocks(scores, q_pos, page_table, window_blocks: int, budget_cells: i
     expect("out", out, np.int32, (1, None))
     expect("counts", counts, np.int64, (3,))
     with DeviceArgs() as dev:
-        select_blocks_kernel[1, THREADS, stream()](dev.read(scores), dev.read(q_pos), dev.read(page_table),
-                                                   np.int32(window_blocks), np.int32(budget_cells),
-                                                   dev.write(chosen), dev.write(out), dev.write(counts))
+        select_blocks_kernel[(n_blocks + CANDIDATES - 1) // CANDIDATES, THREADS, stream()](
+            dev.read(scores), dev.read(q_pos), dev.read(page_table), np.int32(window_blocks),
+            np.int32(budget_cells), dev.write(chosen), dev.write(out), dev.write(counts),
+            ticket_counters("select_blocks", (1,)))
