@@ -50,9 +50,9 @@ def test_ring_restore(end_block, n_ring):
 
 def test_block_bounds_restart_and_widen():
     rng = np.random.default_rng(2)
-    kmin0 = rng.standard_normal((4, N_KV, HD)).astype(np.float32)
+    kmin0 = rng.standard_normal((6, N_KV, HD)).astype(np.float32)
     kmax0 = kmin0 + 1
-    for positions in ([14, 15, 16, 17, 18], [3], [16], [31, 32]):
+    for positions in ([14, 15, 16, 17, 18], [3], [16], [31, 32], list(range(5, 75))):
         pos = np.array(positions, np.int32)
         k = rng.standard_normal((len(pos), N_KV, HD)).astype(np.float32)
         a_min, a_max, b_min, b_max = kmin0.copy(), kmax0.copy(), kmin0.copy(), kmax0.copy()

@@ -4,13 +4,20 @@ Kept at append time. A block's bounds restart when its first cell (cell 0) is wr
 widen with every later cell. A rewritten cell (a rejected speculative tail) can leave a
 bound wider than the cells now there; that is safe, because a bound only has to be an
 upper bound.
+
+The kernel takes a window of consecutive positions, so its cells fall in at most
+n // 16 + 2 blocks, each a run of at most 16 cells: thread block j takes the window's j-th
+block, one thread per (KV head, dim), and walks that block's cells in order. The first
+version had one thread per (head, dim) walk the whole window: a 1,024-token prompt chunk
+spent 278 us a layer there on the H200, 18% of the chunk's GPU time.
 """
 from __future__ import annotations
 
 import numpy as np
 from numba import cuda
 
-from strata_nb.kernels.launch import DeviceArgs, expect, grid_for
+from strata_nb.kernels.launch import DeviceArgs, expect, stream
+from strata_nb.kernels.reduce import WARP
 from strata_nb.kv.formats import BLOCK
 
 
@@ -32,14 +39,16 @@ def block_bounds_ref(k_new,      # (n, n_kv, hd) float32 the appended K (as stor
 # --8<-- [start:block_bounds_kernel]
 @cuda.jit
 def block_bounds_kernel(k_new, positions, kmin, kmax):
-    lane = cuda.grid(1)  # one (head, dim): each walks the window's cells in order
-    n_kv, hd = k_new.shape[1], k_new.shape[2]
-    if lane < n_kv * hd:
-        h, d = lane // hd, lane % hd
-        for i in range(positions.shape[0]):
-            b, c = positions[i] // BLOCK, positions[i] % BLOCK
+    # Thread block j: the window's j-th block; thread (h, d): its cells in order, at most 16.
+    j, t = cuda.blockIdx.x, cuda.threadIdx.x
+    n, n_kv, hd = k_new.shape
+    if t < n_kv * hd:
+        h, d = t // hd, t % hd
+        first = positions[0]
+        b = first // BLOCK + j
+        for i in range(max(0, b * BLOCK - first), min(n, (b + 1) * BLOCK - first)):
             x = k_new[i, h, d]
-            if c == 0:
+            if positions[i] % BLOCK == 0:
                 kmin[b, h, d] = x
                 kmax[b, h, d] = x
             else:
@@ -49,11 +58,16 @@ def block_bounds_kernel(k_new, positions, kmin, kmax):
 
 
 def block_bounds(k_new, positions, kmin, kmax):
+    """Like block_bounds_ref, for a window of consecutive positions (every writer appends
+    one run of cells: a prompt chunk, a verify window, a decode step)."""
     expect("k_new", k_new, np.float32, (None, None, None))
     n, n_kv, hd = k_new.shape
     expect("positions", positions, np.int32, (n,))
     expect("kmin", kmin, np.float32, (None, n_kv, hd))
     expect("kmax", kmax, np.float32, (kmin.shape[0], n_kv, hd))
+    if isinstance(positions, np.ndarray):
+        assert (np.diff(positions) == 1).all(), "block_bounds takes a window of consecutive positions"
+    threads = -(-n_kv * hd // WARP) * WARP
     with DeviceArgs() as dev:
-        block_bounds_kernel[grid_for(n_kv * hd)](dev.read(k_new), dev.read(positions), dev.write(kmin),
-                                                 dev.write(kmax))
+        block_bounds_kernel[n // BLOCK + 2, threads, stream()](dev.read(k_new), dev.read(positions),
+                                                              dev.write(kmin), dev.write(kmax))
