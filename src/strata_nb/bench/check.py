@@ -25,8 +25,9 @@ A second, sharp test does not depend on tokens at all: layer 0's K/V bytes for t
 prompt. They come from the embedding, one norm, one matrix product and RoPE, so rounding
 changes a byte only where a value sits on a rounding boundary; the numpy backend against
 itself (chunks 2,048 and 256, q4_0, 8K) changed none to five decimals. A writer that
-drops the host copy's bytes, or garbles a block, changes a whole field there. More than `LAYER0_TOL` of any field's bytes differing marks
-the row broken, however chaotic its tokens are.
+drops the host copy's bytes, or garbles a block, changes a whole field there. More than
+`LAYER0_TOL` of any field's bytes differing marks the row broken, however chaotic its
+tokens are.
 """
 from __future__ import annotations
 

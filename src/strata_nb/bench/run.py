@@ -189,10 +189,11 @@ def bench(base, text: str, formats: list[str], streamed_formats: list[str], dept
         result["peer"] = peers.peer_rows(base.config, measured_depths, runs, n_decode, log)
     if profile and base.be.name == "cuda":  # one resident step and, with streamed rows, one streamed step
         depth = measured_depths[-1] - 4 * STEPS  # room for the profiled steps
-        profiled = [("profile", Config("k8v4" if "k8v4" in formats or not formats else formats[0], False, depth))]
+        def profiled_format(fmts):  # k8v4 where benched
+            return "k8v4" if "k8v4" in fmts or not fmts else fmts[0]
+        profiled = [("profile", Config(profiled_format(formats), False, depth))]
         if streamed_formats:
-            fmt = "k8v4" if "k8v4" in streamed_formats else streamed_formats[0]
-            profiled.append(("profile_streamed", Config(fmt, True, depth)))
+            profiled.append(("profile_streamed", Config(profiled_format(streamed_formats), True, depth)))
         try:
             for key, cfg in profiled:
                 eng = base.derive(**cfg.settings(base.settings.kv_window))

@@ -47,7 +47,7 @@ from numba import config, cuda, float32, int32
 
 from strata_nb.kernels.hadamard import fwht64_rows
 from strata_nb.kernels.kv_readers import READERS, SIDES
-from strata_nb.kernels.launch import device_empty, stream, ticket_counters
+from strata_nb.kernels.launch import device_empty, last_to_arrive, stream, ticket_counters
 from strata_nb.kernels.reduce import WARP, warp_max, warp_sum
 from strata_nb.kv.formats import BLOCK
 
@@ -140,7 +140,6 @@ def make_attention_step_kernel(read_k, read_v, G, D):
         top = cuda.shared.array(MAX_GROUP, float32)  # each head's max, then the merged max
         total = cuda.shared.array(MAX_GROUP, float32)  # each head's sum of weights, then merged
         seen_end = cuda.shared.array(MAX_GROUP, int32)  # the merge: 1 + the last split each head saw
-        is_last = cuda.shared.array(1, int32)
         column = cuda.local.array(BLOCK, float32)  # value u of one block's 16 K (or V) rows
         acc = cuda.local.array(G, float32)  # this thread's sum for each head (registers: G is fixed)
         ahead = cuda.local.array((MERGE_UNROLL, G), float32)  # the merge's loads in flight
@@ -262,16 +261,9 @@ def make_attention_step_kernel(read_k, read_v, G, D):
             records[i, kv_h, split, g, D] = top[g] if seen_any == 1 else NEG_INF
             records[i, kv_h, split, g, D + 1] = total[g] if seen_any == 1 else float32(0.0)
 
-        # The ticket: every thread's writes reach the whole GPU before the count does.
-        cuda.threadfence()
-        cuda.syncthreads()
-        if t == 0:
-            is_last[0] = 1 if cuda.atomic.add(arrivals, (i, kv_h), 1) == n_splits - 1 else 0
-        cuda.syncthreads()
-        if is_last[0] == 0:
+        # The ticket: the block that draws the last one merges.
+        if last_to_arrive(arrivals, (i, kv_h), n_splits) == 0:
             return
-        if t == 0:
-            arrivals[i, kv_h] = 0  # every block has arrived: ready for the next launch
 
         # The merge, by the last block: each split's sums rescaled to the largest max. A
         # split that saw no cell has m = -inf and l = sums = 0: weight 0. First each head's

@@ -66,7 +66,6 @@ def block_scores_kernel(q, kmin, kmax, scores):
             best = max(best, bound)
         scores[i, b] = best
 # --8<-- [end:block_scores_kernel]
-# --8<-- [end:block_scores_kernel]
 
 
 def block_scores(q, kmin, kmax, scores):

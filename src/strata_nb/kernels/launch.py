@@ -13,7 +13,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import numpy as np
-from numba import config, cuda
+from numba import config, cuda, int32
 
 from strata_nb.kv.formats import BLOCK, PoolArray
 
@@ -71,6 +71,24 @@ def ticket_counters(owner: str, shape: tuple):
         assert Capture.keep is None, f"{owner}'s ticket counters are made before a graph capture, not during"
         _TICKETS[key] = cuda.to_device(np.zeros(shape, np.int32))
     return _TICKETS[key]
+
+
+@cuda.jit(device=True)
+def last_to_arrive(counters, key, n_arrivals):
+    """Called by every thread of a (1-D) thread block once its writes are done: makes them
+    visible to the whole GPU, takes a ticket from counters[key], and returns 1 in the
+    thread block that drew the n_arrivals-th (which also sets the counter back to 0 for
+    the next launch or graph replay), 0 in the others."""
+    flag = cuda.shared.array(1, int32)
+    cuda.threadfence()  # every thread's writes reach the whole GPU before the count does
+    cuda.syncthreads()
+    if cuda.threadIdx.x == 0:
+        last = cuda.atomic.add(counters, key, 1) == n_arrivals - 1
+        flag[0] = 1 if last else 0
+        if last:
+            counters[key] = 0  # every block has arrived
+    cuda.syncthreads()
+    return flag[0]
 
 
 def is_host_numpy(a) -> bool:

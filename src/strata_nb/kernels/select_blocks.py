@@ -17,10 +17,11 @@ of those were not in VRAM (all of them read in place).
 Block b is chosen if it is in the window or block 0, or if fewer than `take` other
 candidates outrank it: a higher score, or the same score and a lower index. That rank is
 the block's place in the stable sort, so the choice is the host's. Ranking every
-candidate against every other is n^2 comparisons (about 240,000 at 8K of context), so it is
-spread over the GPU: a thread block ranks 32 blocks, 8 threads per block, each thread
-comparing against every 8th candidate, from a copy of the scores in shared memory. Each chosen block's place in the list is the
-number of chosen blocks before it; the thread block that finishes last (a ticket, as in
+candidate against every other is n^2 comparisons (about 240,000 at 8K of context), so
+it is spread over the GPU: a thread block ranks 32 blocks, 8 threads per block, each
+thread comparing against every 8th candidate, from a copy of the scores in shared
+memory. Each chosen block's place in the list is the number of chosen blocks before it;
+the thread block that finishes last (a ticket, `launch.py: last_to_arrive`, as in
 attention_step.py) writes the list: each of its threads owns a contiguous run of blocks,
 and a scan over the threads' pick counts gives each run its start.
 
@@ -34,7 +35,7 @@ from __future__ import annotations
 import numpy as np
 from numba import config, cuda, float32, int32
 
-from strata_nb.kernels.launch import DeviceArgs, expect, stream, ticket_counters
+from strata_nb.kernels.launch import DeviceArgs, expect, last_to_arrive, stream, ticket_counters
 from strata_nb.kv.formats import BLOCK
 from strata_nb.kv import select as host_select
 
@@ -115,18 +116,9 @@ def select_blocks_kernel(scores, q_pos, page_table, window_blocks, budget_cells,
                 pick = 1
         chosen[b] = pick
 
-    # The ticket: every flag reaches the whole GPU before the count does. The block that
-    # draws the last one writes the list.
-    cuda.threadfence()
-    cuda.syncthreads()
-    is_last = cuda.shared.array(1, int32)
-    if t == 0:
-        is_last[0] = 1 if cuda.atomic.add(arrivals, 0, 1) == cuda.gridDim.x - 1 else 0
-    cuda.syncthreads()
-    if is_last[0] == 0:
+    # The ticket: the block that draws the last one writes the list.
+    if last_to_arrive(arrivals, 0, cuda.gridDim.x) == 0:
         return
-    if t == 0:
-        arrivals[0] = 0  # ready for the next launch or graph replay
 
     # Each chosen block's place in the list is the number of chosen blocks before it:
     # thread t owns a contiguous run of blocks, and a scan over the threads' pick counts
