@@ -8,6 +8,7 @@ from numba import cuda
 
 from attention_cases import (HEAD_DIM, N_BLOCKS, N_HEADS, N_KV, PAGE_TABLE, WRITTEN, check_rotate_out, filled_cache,
                              mapped_copy, queries, run)
+import strata_nb.kernels.attention_step as attention_step_module
 from strata_nb.kernels.attention import ATOL, RTOL, attention, attention_ref
 from strata_nb.kernels.launch import ticket_counters
 from strata_nb.kernels.quant_int8 import dequantize_int8_ref
@@ -50,6 +51,42 @@ def test_step_kernel_leaves_its_tickets_at_zero():
     np.testing.assert_allclose(first, run(attention_ref, *args), atol=ATOL, rtol=RTOL)
     assert not ticket_counters("attention_step", (3, N_KV)).copy_to_host().any()
     np.testing.assert_array_equal(run(lambda *a: attention(*a, per_split=1), *args), first)
+
+
+@pytest.fixture
+def nan_records(monkeypatch):
+    """The step kernel's records start as NaN, so a merge that read a record this launch
+    did not write would give NaN (a graph replay finds the last token's records there)."""
+    monkeypatch.setattr(attention_step_module, "device_empty",
+                        lambda shape, dtype: cuda.to_device(np.full(shape, np.nan, dtype)))
+
+
+@pytest.mark.parametrize("q_pos, blocks, active", [
+    (5, [0, 1, 2, 3, 4, 5], 1),     # a replayed resident step near an empty context: one split sees a cell
+    (37, [0, 1, 2, 3, 4, 5], 3),    # blocks 0..2 seen, 3..5 wholly after the query
+    (90, [-1, 5, -1, 0, -1, 3], 3),  # a selection, padding between its blocks
+])
+def test_splits_that_see_nothing_weigh_nothing(nan_records, q_pos, blocks, active):
+    """One block per split, most of them past the query or padding: every split writes
+    its record this launch (an empty one, m = -inf, where it sees no cell), so NaN
+    scratch never reaches the merge, and the counters are back at 0."""
+    assert sum(b >= 0 and b * BLOCK <= q_pos for b in blocks) == active
+    pool, host = filled_cache("k8v4", PAGE_TABLE, n_slots=4)
+    q = np.random.default_rng(6).standard_normal((1, N_HEADS, HEAD_DIM), np.float32)
+    args = ("k8v4", q, np.array([q_pos], np.int32), np.array([blocks], np.int32), PAGE_TABLE, pool, host)
+    got = run(lambda *a: attention(*a, per_split=1), *args)
+    np.testing.assert_allclose(got, run(attention_ref, *args), atol=ATOL, rtol=RTOL)
+    assert not ticket_counters("attention_step", (1, N_KV)).copy_to_host().any()
+
+
+def test_a_query_that_sees_no_cell_gets_zeros(nan_records):
+    """Every split empty (padding and blocks after the query): the output is 0, as the
+    reference's."""
+    pool, host = filled_cache("int8", PAGE_TABLE, n_slots=4)
+    q = np.random.default_rng(7).standard_normal((1, N_HEADS, HEAD_DIM), np.float32)
+    args = ("int8", q, np.array([20], np.int32), np.array([[-1, 3, 4, -1]], np.int32), PAGE_TABLE, pool, host)
+    np.testing.assert_array_equal(run(lambda *a: attention(*a, per_split=1), *args), 0)
+    np.testing.assert_array_equal(run(attention_ref, *args), 0)
 
 
 def test_shared_selection_on_the_step_kernel():
