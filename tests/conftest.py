@@ -87,45 +87,11 @@ def tiny_model(tmp_path_factory):
 # ---- PTX for sm_90: every kernel the simulator ran, compiled for the GPU ----------------
 # The simulator runs kernels as Python, so it accepts code the GPU compiler rejects. Each
 # simulated launch records its kernel and argument types here; tests/test_zz_ptx_sm90.py
-# (collected last) compiles each one to sm_90 PTX in a process without the simulator.
+# (collected last) compiles each one to sm_90 PTX in a process without the simulator
+# (kernels/sm90.py).
 LAUNCHES: dict = {}
 
-
-def _type_name(a) -> str:
-    import numpy as np
-
-    a = getattr(a, "_ary", a)  # a simulator device array wraps a NumPy array
-    if isinstance(a, np.ndarray):
-        dims = [":"] * a.ndim
-        if a.flags.c_contiguous and a.ndim:
-            dims[-1] = "::1"
-        return f"{a.dtype.name}[{', '.join(dims)}]"
-    if isinstance(a, (bool, np.bool_)):
-        return "boolean"
-    if isinstance(a, np.generic):
-        return a.dtype.name
-    return {int: "int64", float: "float64"}[type(a)]
-
-
-def _record_launches():
-    from numba.cuda.simulator import kernel as sim
-
-    call = sim.FakeCUDAKernel.__call__
-
-    def recording_call(self, *args):
-        fn = self.fn
-        # the product's kernels only: importing a test module in the checking process would
-        # import this conftest, whose simulator hooks would then replace later kernels
-        if not self._device and not sim._kernel_context and fn.__module__.startswith("strata_nb."):
-            key = (fn.__module__, fn.__qualname__, fn.__code__.co_firstlineno)
-            try:
-                LAUNCHES.setdefault(key, set()).add(f"void({', '.join(_type_name(a) for a in args)})")
-            except KeyError:
-                pass  # an argument type we do not map: that launch is not checked
-        return call(self, *args)
-
-    sim.FakeCUDAKernel.__call__ = recording_call
-
-
 if not ON_GPU:
-    _record_launches()
+    from strata_nb.kernels.sm90 import record_launches
+
+    record_launches(LAUNCHES)

@@ -1,69 +1,63 @@
-"""Every kernel the simulator ran in this session compiles to PTX for sm_90 (Hopper).
+"""Every kernel the simulator ran in this session compiles to PTX for sm_90 (Hopper), and
+none spills registers.
 
 The simulator executes kernels as Python, so it accepts things the GPU compiler rejects
 (a NumPy call inside a kernel, a type that does not unify). This test is collected last:
-conftest.py recorded each simulated launch's kernel and argument types, and a child process
-without the simulator compiles each with `cuda.compile_ptx(..., cc=(9, 0))`. No GPU needed,
-only NVRTC/libNVVM (the nvidia-cuda-nvrtc-cu12 and nvidia-cuda-nvcc-cu12 wheels)."""
-import json
-import os
-import subprocess
-import sys
-import textwrap
-
+conftest.py recorded each simulated launch's kernel and argument types, and a child
+process without the simulator compiles each with `cuda.compile_ptx(..., cc=(9, 0))`, then
+asks ptxas what it uses (kernels/sm90.py). A kernel whose registers spill to local memory
+fails: that is a slowdown the simulator cannot show. No GPU needed, only NVRTC/libNVVM
+and ptxas (the nvidia-cuda-nvrtc-cu12 and nvidia-cuda-nvcc-cu12 wheels)."""
 import pytest
 
 from conftest import LAUNCHES, ON_GPU
+from strata_nb.kernels.sm90 import compile_recorded, parse_ptxas, ptxas, variant, warps_by_registers
 
-CHILD = textwrap.dedent('''
-    import importlib, json, sys, types
-    from numba import cuda
-    import numba.cuda.dispatcher
-    from numba.cuda.dispatcher import CUDADispatcher
-    # compiling a kernel that calls device functions asks for the current device; there is
-    # none here, so answer for the target we compile for
-    numba.cuda.dispatcher.get_current_device = lambda: types.SimpleNamespace(compute_capability=(9, 0))
-    todo = json.load(sys.stdin)
-    def dispatchers(obj, depth=0):
-        if isinstance(obj, CUDADispatcher):
-            yield obj
-        elif isinstance(obj, dict) and depth < 3:
-            for v in obj.values():
-                yield from dispatchers(v, depth + 1)
-    failures = []
-    for module, qualname, line, sigs in todo:
-        mod = importlib.import_module(module)
-        found = [d for v in vars(mod).values() for d in dispatchers(v)
-                 if d.py_func.__qualname__ == qualname and d.py_func.__code__.co_firstlineno == line]
-        if not found:
-            failures.append(f"{module}.{qualname} (line {line}): kernel not found at import")
-            continue
-        for sig in sigs:
-            errors = []
-            for d in found:  # kernels built by a factory share a name: one must accept the signature
-                try:
-                    cuda.compile_ptx(d.py_func, sig, cc=(9, 0))
-                    break
-                except Exception as err:
-                    errors.append(f"{type(err).__name__}: {str(err)[:300]}")
-            else:
-                failures.append(f"{module}.{qualname}{sig}: " + " | ".join(errors))
-    print(json.dumps(failures))
-''')
+# ptxas -v's report of a kernel that spills, as ptxas 12 words it
+SPILLING = """ptxas info    : Compiling entry function 'k' for 'sm_90'
+ptxas info    : Function properties for k
+    40 bytes stack frame, 36 bytes spill stores, 44 bytes spill loads
+ptxas info    : Used 255 registers, used 1 barriers, 45508 bytes smem, 472 bytes cmem[0]"""
+
+
+def test_the_ptxas_report_is_read():
+    assert parse_ptxas(SPILLING) == {"registers": 255, "shared": 45508, "spill_stores": 36, "spill_loads": 44,
+                                     "stack": 40}
+
+
+def test_warps_the_register_file_holds():
+    """65,536 registers an SM, given to a warp 256 at a time."""
+    assert warps_by_registers(32) == 64
+    assert warps_by_registers(96) == 21  # 3,072 a warp
+    assert warps_by_registers(100) == 19  # 3,200 rounds up to 3,328
+    assert warps_by_registers(255) == 8
+
+
+def test_a_factory_kernel_is_named_by_what_it_was_made_from():
+    """Kernels made by one factory share a name and a line: the arguments they were made
+    from tell them apart, the same under the simulator as in the compiling process."""
+    import strata_nb.kernels.matvec as mv
+
+    normed = mv.MATVEC_KERNELS["Q8_0", "normed", "store", 1]
+    gated = mv.MATVEC_KERNELS["Q4_1", "gated", "add", 8]
+    assert variant(normed.py_func) == ("part=part_q8_0,nibbles=False,load_x=x_normed,store_y=y_store,normed=True,"
+                                       f"x_rows=1,rows={mv.ROWS}")
+    assert variant(gated.py_func) != variant(normed.py_func)
 
 
 @pytest.mark.skipif(ON_GPU, reason="on a GPU the kernels are compiled for real")
-def test_every_simulated_kernel_compiles_for_sm90():
+def test_every_simulated_kernel_compiles_for_sm90_without_spills():
     if not LAUNCHES:
         pytest.skip("no kernel ran under the simulator in this session (run the whole suite)")
     try:
         import nvidia.cuda_nvrtc  # noqa: F401  (the wheel that carries NVRTC)
     except ImportError:
         pytest.fail("NVRTC is missing: pip install -e '.[dev]' brings nvidia-cuda-nvrtc-cu12")
-    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
-    todo = [[m, q, line, sorted(sigs)] for (m, q, line), sigs in LAUNCHES.items()]
-    run = subprocess.run([sys.executable, "-c", CHILD], input=json.dumps(todo), capture_output=True,
-                         text=True, env=env, timeout=900)
-    assert run.returncode == 0, run.stderr[-3000:]
-    failures = json.loads(run.stdout.strip().splitlines()[-1])
+    binary = ptxas()
+    assert binary, "ptxas is missing: pip install -e '.[dev]' brings nvidia-cuda-nvcc-cu12"
+    failures, rows = compile_recorded(LAUNCHES, binary)
     assert not failures, "\n".join(failures)
+    assert rows, "ptxas measured no kernel"
+    spills = [f"{r['module']}.{r['kernel']}{r['sig']}: {r['spill_stores']} bytes spilled, {r['spill_loads']} reloaded"
+              for r in rows if r["spill_stores"] or r["spill_loads"]]
+    assert not spills, "\n".join(spills)
