@@ -34,15 +34,15 @@ def main(formats: list[str]) -> int:
         return 1
     launches: dict = {}
     record_launches(launches)
-    model = str(write_synthetic_gguf(tempfile.mkdtemp() + "/tiny.gguf"))
-    for kv in formats:
-        for extra in ({}, {"kv_resident": 128, "kv_window": 64, "qsa_budget": 128}):
-            eng = Engine(Settings(model=model, kv=kv, max_context=512, device="cuda", **extra),
-                         GGUFModel(model), CudaBackend())
-            prompt = list(range(3, 40))
-            token = int(eng.prefill(prompt).argmax())
-            step = eng.device_step()
-            step.run(token, len(prompt))
+    prompt = list(range(3, 40))
+    with tempfile.TemporaryDirectory() as tmp:
+        model = str(write_synthetic_gguf(tmp + "/tiny.gguf"))
+        for kv in formats:
+            for extra in ({}, {"kv_resident": 128, "kv_window": 64, "qsa_budget": 128}):  # resident, streamed QSA
+                eng = Engine(Settings(model=model, kv=kv, max_context=512, device="cuda", **extra),
+                             GGUFModel(model), CudaBackend())
+                token = int(eng.prefill(prompt).argmax())
+                eng.device_step().run(token, len(prompt))
     failures, rows = compile_recorded(launches, binary)
     for f in failures:
         print("not compiled:", f, file=sys.stderr)
