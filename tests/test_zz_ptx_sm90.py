@@ -11,7 +11,7 @@ and ptxas (the nvidia-cuda-nvrtc-cu12 and nvidia-cuda-nvcc-cu12 wheels)."""
 import pytest
 
 from conftest import LAUNCHES, ON_GPU
-from strata_nb.kernels.sm90 import compile_recorded, parse_ptxas, ptxas, variant, warps_by_registers
+from strata_nb.kernels.sm90 import compile_recorded, parse_ptxas, ptxas, variant, warps_by_registers, wide_divides
 
 # ptxas -v's report of a kernel that spills, as ptxas 12 words it
 SPILLING = """ptxas info    : Compiling entry function 'k' for 'sm_90'
@@ -45,6 +45,37 @@ def test_a_factory_kernel_is_named_by_what_it_was_made_from():
     assert variant(gated.py_func) != variant(normed.py_func)
 
 
+def make_probe_kernel(read, n):
+    """A factory whose `read` only an inner device function uses: without looking into
+    that function's closure, two of its kernels would look alike and the compile could
+    take one for the other."""
+    from numba import cuda
+
+    @cuda.jit(device=True)
+    def helper(x):
+        return read(x) + n
+
+    @cuda.jit
+    def kernel(x):
+        x[0] = helper(x[0])
+    return kernel
+
+
+def test_a_factory_argument_used_only_by_an_inner_device_function_still_names_the_kernel():
+    a, b = make_probe_kernel(abs, 1).py_func, make_probe_kernel(round, 1).py_func
+    assert variant(a) == "read=abs,n=1" and variant(b) == "read=round,n=1"
+
+
+def test_wide_divides_are_counted_in_ptx():
+    ptx = """
+    div.s64 %rd5, %rd3, %rd4;
+    rem.u64 %rd6, %rd3, %rd4;
+    div.rn.f32 %f1, %f2, %f3;
+    div.s32 %r1, %r2, %r3;
+    """
+    assert wide_divides(ptx) == 2  # the float and the 32-bit divisions are single instructions
+
+
 @pytest.mark.skipif(ON_GPU, reason="on a GPU the kernels are compiled for real")
 def test_every_simulated_kernel_compiles_for_sm90_without_spills():
     if not LAUNCHES:
@@ -61,3 +92,8 @@ def test_every_simulated_kernel_compiles_for_sm90_without_spills():
     spills = [f"{r['module']}.{r['kernel']}{r['sig']}: {r['spill_stores']} bytes spilled, {r['spill_loads']} reloaded"
               for r in rows if r["spill_stores"] or r["spill_loads"]]
     assert not spills, "\n".join(spills)
+    # The decode step's two hot kernels divide only by constants: every index they work
+    # out, and every loop's trip count, is a multiply and shifts (sm90.wide_divides).
+    hot = [f"{r['kernel']}({r['made_from']}): {r['divides']} 64-bit divisions" for r in rows
+           if r["kernel"] in ("attention_step_kernel", "matvec_kernel") and r["divides"]]
+    assert not hot, "\n".join(hot)

@@ -46,14 +46,15 @@ def main(formats: list[str]) -> int:
     failures, rows = compile_recorded(launches, binary)
     for f in failures:
         print("not compiled:", f, file=sys.stderr)
-    print("| kernel (made from) | registers | warps/SM by registers | shared bytes | spilled bytes | stack bytes |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    print("| kernel (made from) | registers | warps/SM by registers | shared bytes | spilled bytes | stack bytes "
+          "| 64-bit divides |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     lines = []
     for r in sorted(rows, key=lambda r: (-r["registers"], r["kernel"], r["made_from"])):
         made_from = ", ".join(v.split("=", 1)[1] for v in r["made_from"].split(",") if v)
         line = (f"| `{r['kernel']}`{' (' + made_from + ')' if made_from else ''} | {r['registers']} | "
                 f"{warps_by_registers(r['registers'])} | {r['shared']:,} | {r['spill_stores'] + r['spill_loads']} | "
-                f"{r['stack']} |")
+                f"{r['stack']} | {r['divides']} |")
         if line not in lines:  # one row per kernel: its launches' argument layouts compile alike
             lines.append(line)
     print("\n".join(lines))

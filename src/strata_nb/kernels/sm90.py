@@ -52,6 +52,19 @@ def type_name(a) -> str:
     return {int: "int64", float: "float64"}[type(a)]
 
 
+def closure_cells(fn, local_prefix: str) -> dict:
+    """fn's closure by name, with the closures of the device functions it calls that the
+    same factory made (a factory argument used only inside one of them still counts)."""
+    cells = {}
+    for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
+        cells.setdefault(name, cell)
+        inner = getattr(cell.cell_contents, "py_func", None)
+        if inner is not None and inner.__qualname__.startswith(local_prefix):
+            for name_, cell_ in closure_cells(inner, local_prefix).items():
+                cells.setdefault(name_, cell_)
+    return cells
+
+
 def variant(fn) -> str:
     """Which of a factory's kernels fn is: the factory's arguments it was made from
     (device functions by name, constants by value), read from its closure. Values the
@@ -62,7 +75,7 @@ def variant(fn) -> str:
     if factory is None:
         return ""
     params = factory.__code__.co_varnames[:factory.__code__.co_argcount]
-    cells = dict(zip(fn.__code__.co_freevars, fn.__closure__ or ()))
+    cells = closure_cells(fn, factory_name + ".<locals>.")
 
     def describe(obj):
         inner = getattr(obj, "py_func", None) or getattr(obj, "fn", None) or obj
@@ -121,7 +134,16 @@ def ptx_usage(ptx: str, binary: str) -> dict:
                              capture_output=True, text=True, timeout=300)
     if run.returncode != 0:
         raise RuntimeError(f"ptxas failed: {run.stderr[-500:]}")
-    return parse_ptxas(run.stderr)
+    return {**parse_ptxas(run.stderr), "divides": wide_divides(ptx)}
+
+
+def wide_divides(ptx: str) -> int:
+    """64-bit integer divisions and remainders in a kernel's PTX. Numba computes indices
+    in 64 bits, so `e // n` or `e % n` by a value known only at run time (and the trip
+    count of `range(a, b, step)` with a runtime step) becomes one of these, which the GPU
+    has no instruction for: ptxas expands each into a routine of dozens of instructions.
+    A division by a constant compiles to a multiply and shifts, and leaves none."""
+    return len(re.findall(r"\b(?:div|rem)\.[su]64\b", ptx))
 
 
 # --8<-- [start:ptxas_report]
