@@ -75,6 +75,11 @@ MERGE_UNROLL = 2 if config.ENABLE_CUDASIM else 8
 RECORD_PAD = 32  # floats after a record's D sums: m, l, then padding to whole 128-byte lines
 
 
+def split_fits(head_dim: int) -> int:
+    """The most selected blocks a split can take: its K and V tiles fit the shared arrays."""
+    return min(MAX_SPLIT_BLOCKS, K_TILE_VALUES // (BLOCK * (head_dim + 1)), V_TILE_VALUES // (BLOCK * head_dim))
+
+
 def record_width(head_dim: int) -> int:
     """Floats per (split, head) record: D sums, m, l, rounded up to whole 128-byte lines."""
     return -(-(head_dim + 2) // RECORD_PAD) * RECORD_PAD
@@ -103,11 +108,19 @@ def padded_splits(n_columns: int, per_split: int, head_dim: int) -> int:
 
 
 # --8<-- [start:attention_step_kernel]
-def make_attention_step_kernel(read_k, read_v, G, D):
+def make_attention_step_kernel(read_k, read_v, G, D, per_split):
     """The kernel for one format (how it reads a column of K and of V: kv_readers.py), G
-    query heads per KV head and head_dim D. G and D are compiled in, so the loops over
-    heads unroll and a thread's G sums live in registers."""
+    query heads per KV head, head_dim D and `per_split` selected blocks per split. All
+    are compiled in, with the block's thread count: the loops over heads unroll and a
+    thread's G sums live in registers, and every index is divided by a constant. (Numba
+    does integer arithmetic in 64 bits; a division by a value known only at run time,
+    a loop's trip count over a runtime stride included, is a long software routine.)"""
     LANES = split_lanes(D)
+    N_THREADS = STEP_THREADS
+    N_WARPS = N_THREADS // WARP
+    CELLS = per_split * BLOCK
+    PARTS = score_parts(CELLS, D)
+    SPAN = D // PARTS  # terms of a score's dot each of its PARTS threads adds
 
     @cuda.jit
     def attention_step_kernel(q,           # (Q, G * n_kv, D) float32
@@ -115,8 +128,6 @@ def make_attention_step_kernel(read_k, read_v, G, D):
                               blocks,      # (Q, S) int32, -1 = padding
                               page_table,  # (n_logical_blocks,) int32
                               scale,       # float32: 1 / sqrt(D)
-                              per_split,   # int32: selected blocks per split (its tiles fit the shared arrays)
-                              parts,       # int32: threads per cell scoring it (score_parts)
                               rotate,      # int32: 1 = apply H to each output head row
                               pool_ka, pool_kb, pool_va, pool_vb,  # K and V of the pool, by slot
                               host_ka, host_kb, host_va, host_vb,  # the same by logical block, or (0, ...)
@@ -124,15 +135,14 @@ def make_attention_step_kernel(read_k, read_v, G, D):
                               arrivals,    # (Q, n_kv) int32: 0 before the launch, 0 after it
                               out):        # (Q, G * n_kv, D) float32, written
         i, kv_h, split = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
-        t, n_threads = cuda.threadIdx.x, cuda.blockDim.x
-        warp, lane, n_warps = t // WARP, t % WARP, n_threads // WARP
+        t = cuda.threadIdx.x  # of N_THREADS: the launch gives that many
+        warp, lane = t // WARP, t % WARP
         n_splits = records.shape[2]
-        cells = per_split * BLOCK
         pos = q_pos[i]
         q_g = cuda.shared.array(Q_VALUES, float32)  # q_g[g * D + j]: head kv_h * G + g
         k_tile = cuda.shared.array(K_TILE_VALUES, float32)  # k_tile[c * (D + 1) + j]: cell c of the split
         v_tile = cuda.shared.array(V_TILE_VALUES, float32)  # v_tile[c * D + d]
-        dots = cuda.shared.array(SCORE_VALUES, float32)  # [(p * G + g) * cells + c] partial scores
+        dots = cuda.shared.array(SCORE_VALUES, float32)  # [(p * G + g) * CELLS + c] partial scores
         weights = cuda.shared.array((MAX_GROUP, MAX_SPLIT_CELLS), float32)  # exp weights, -1 = masked
         row = cuda.shared.array(MAX_SPLIT_BLOCKS, int32)  # column s is read at slot (or block) row[s]
         from_host = cuda.shared.array(MAX_SPLIT_BLOCKS, int32)  # ... of the host copy when 1
@@ -145,7 +155,7 @@ def make_attention_step_kernel(read_k, read_v, G, D):
         ahead = cuda.local.array((MERGE_UNROLL, G), float32)  # the merge's loads in flight
 
         first = split * per_split
-        for s in range(t, per_split, n_threads):
+        for s in range(t, per_split, N_THREADS):
             b = blocks[i, first + s] if first + s < blocks.shape[1] else -1
             seen = b >= 0 and b * BLOCK <= pos  # padding, or a block wholly after the query: unseen
             slot = page_table[b] if seen else -1
@@ -162,12 +172,12 @@ def make_attention_step_kernel(read_k, read_v, G, D):
             if start[s] >= 0:
                 seen_any = 1
         if seen_any == 1:  # the same for every thread: the barriers inside are reached by all
-            for e in range(t, G * D, n_threads):
+            for e in range(t, G * D, N_THREADS):
                 q_g[e] = q[i, kv_h * G + e // D, e % D]
             # Unpack: thread u of a column reads value u of the block's 16 K (or V) rows. All
             # 16 cells, even those after the query (unwritten bytes, maybe NaN): their scores
             # are never computed and their V never weighted.
-            for e in range(t, per_split * 2 * D, n_threads):
+            for e in range(t, per_split * 2 * D, N_THREADS):
                 s, u = e // (2 * D), e % (2 * D)
                 if start[s] >= 0:
                     r = row[s]
@@ -189,41 +199,41 @@ def make_attention_step_kernel(read_k, read_v, G, D):
 
             # Partial scores: thread (p, c) dots part p of cell c's K row with all G query rows
             # (each K value read once for the G heads). Cells after the query are skipped.
-            span = D // parts
-            for e in range(t, parts * cells, n_threads):
-                p, c = e // cells, e % cells
+            for e in range(t, PARTS * CELLS, N_THREADS):
+                p, c = e // CELLS, e % CELLS
                 s = c // BLOCK
                 if start[s] >= 0 and start[s] + c % BLOCK <= pos:
                     for g in range(G):
                         acc[g] = float32(0.0)
-                    for j in range(p * span, p * span + span):
+                    for jj in range(SPAN):  # a constant trip count: the loop unrolls
+                        j = p * SPAN + jj
                         k = k_tile[c * (D + 1) + j]
                         for g in range(G):
                             acc[g] += q_g[g * D + j] * k
                     for g in range(G):
-                        dots[(p * G + g) * cells + c] = acc[g]
+                        dots[(p * G + g) * CELLS + c] = acc[g]
             cuda.syncthreads()
 
             # Softmax of each head over the split's cells, one warp per head (rounds of
-            # n_warps heads, so every warp reaches each reduction together). A masked cell's
+            # N_WARPS heads, so every warp reaches each reduction together). A masked cell's
             # weight is -1 for every head: its V is never read.
-            for g0 in range(0, G, n_warps):
+            for g0 in range(0, G, N_WARPS):
                 g = g0 + warp
                 m = NEG_INF
                 if g < G:
-                    for c in range(lane, cells, WARP):
+                    for c in range(lane, CELLS, WARP):
                         x = NEG_INF
                         if start[c // BLOCK] >= 0 and start[c // BLOCK] + c % BLOCK <= pos:
                             x = float32(0.0)
-                            for p in range(parts):
-                                x += dots[(p * G + g) * cells + c]
+                            for p in range(PARTS):
+                                x += dots[(p * G + g) * CELLS + c]
                             x *= scale
                         weights[g, c] = x
                         m = max(m, x)
                 m = warp_max(m)
                 l = float32(0.0)
                 if g < G:
-                    for c in range(lane, cells, WARP):
+                    for c in range(lane, CELLS, WARP):
                         x = weights[g, c]
                         if x > NEG_INF:
                             x = math.exp(x - m)
@@ -238,11 +248,11 @@ def make_attention_step_kernel(read_k, read_v, G, D):
 
             # This split's record: thread (lane_c, d) sums V[c, d] over every LANES-th cell for
             # all G heads; the lanes' sums meet in shared memory (dots), added in lane order.
-            for e in range(t, LANES * D, n_threads):
+            for e in range(t, LANES * D, N_THREADS):
                 lc, d = e // D, e % D
                 for g in range(G):
                     acc[g] = float32(0.0)
-                for c in range(lc, cells, LANES):
+                for c in range(lc, CELLS, LANES):
                     if weights[0, c] >= 0:  # a masked cell may hold NaN: 0 * NaN is NaN
                         v = v_tile[c * D + d]
                         for g in range(G):
@@ -250,14 +260,14 @@ def make_attention_step_kernel(read_k, read_v, G, D):
                 for g in range(G):
                     dots[(lc * G + g) * D + d] = acc[g]
             cuda.syncthreads()
-        for e in range(t, G * D, n_threads):
+        for e in range(t, G * D, N_THREADS):
             g, d = e // D, e % D
             x = float32(0.0)
             if seen_any == 1:
                 for lc in range(LANES):
                     x += dots[(lc * G + g) * D + d]
             records[i, kv_h, split, g, d] = x
-        for g in range(t, G, n_threads):
+        for g in range(t, G, N_THREADS):
             records[i, kv_h, split, g, D] = top[g] if seen_any == 1 else NEG_INF
             records[i, kv_h, split, g, D + 1] = total[g] if seen_any == 1 else float32(0.0)
 
@@ -269,7 +279,7 @@ def make_attention_step_kernel(read_k, read_v, G, D):
         # split that saw no cell has m = -inf and l = sums = 0: weight 0. First each head's
         # max, and the end of the splits that saw anything (a short context in a long list
         # leaves most of them empty), one warp per head.
-        for g0 in range(0, G, n_warps):
+        for g0 in range(0, G, N_WARPS):
             g = g0 + warp
             m, last_seen = NEG_INF, float32(0.0)
             if g < G:
@@ -289,12 +299,12 @@ def make_attention_step_kernel(read_k, read_v, G, D):
             end = max(end, seen_end[g])
         end = -(-end // unit) * unit  # whole rounds: n_splits is a multiple of unit
         split_w = k_tile  # the tiles are done with: split s's weight for head g at [g * n_splits + s]
-        for e in range(t, G * n_splits, n_threads):
-            g, s = e // n_splits, e % n_splits
-            m = records[i, kv_h, s, g, D] if s < end else NEG_INF
-            split_w[e] = math.exp(m - top[g]) if m > NEG_INF else float32(0.0)
+        for g in range(G):
+            for s in range(t, n_splits, N_THREADS):
+                m = records[i, kv_h, s, g, D] if s < end else NEG_INF
+                split_w[g * n_splits + s] = math.exp(m - top[g]) if m > NEG_INF else float32(0.0)
         cuda.syncthreads()
-        for g0 in range(0, G, n_warps):
+        for g0 in range(0, G, N_WARPS):
             g = g0 + warp
             l = float32(0.0)
             if g < G:
@@ -305,7 +315,7 @@ def make_attention_step_kernel(read_k, read_v, G, D):
                 total[g] = l
         # Thread (lane_s, d) adds every LANES-th split for all G heads, MERGE_UNROLL splits
         # at a time: their loads go out together.
-        for e in range(t, LANES * D, n_threads):
+        for e in range(t, LANES * D, N_THREADS):
             ls, d = e // D, e % D
             for g in range(G):
                 acc[g] = float32(0.0)
@@ -320,7 +330,7 @@ def make_attention_step_kernel(read_k, read_v, G, D):
                 dots[(ls * G + g) * D + d] = acc[g]
         cuda.syncthreads()
         merged = weights  # the merged head rows: merged[g, d]
-        for e in range(t, G * D, n_threads):
+        for e in range(t, G * D, N_THREADS):
             g, d = e // D, e % D
             x = float32(0.0)
             for ls in range(LANES):
@@ -328,8 +338,8 @@ def make_attention_step_kernel(read_k, read_v, G, D):
             merged[g, d] = x / total[g] if total[g] > 0 else float32(0.0)
         cuda.syncthreads()
         if rotate == 1:
-            fwht64_rows(merged, G, D, t, n_threads)
-        for e in range(t, G * D, n_threads):
+            fwht64_rows(merged, G, D, t, N_THREADS)
+        for e in range(t, G * D, N_THREADS):
             g, d = e // D, e % D
             out[i, kv_h * G + g, d] = merged[g, d]
 
@@ -337,10 +347,12 @@ def make_attention_step_kernel(read_k, read_v, G, D):
 # --8<-- [end:attention_step_kernel]
 
 
-# One kernel per (format, G, head_dim), made at import so a sm_90 compile can find them;
-# Numba compiles each on its first launch.
-STEP_KERNELS = {(fmt, g, d): make_attention_step_kernel(READERS[k], READERS[v], g, d)
-                for fmt, (k, v) in SIDES.items() for g in range(1, MAX_GROUP + 1) for d in HEAD_DIMS}
+# One kernel per (format, G, head_dim, blocks per split), made at import so a sm_90
+# compile can find them; Numba compiles each on its first launch.
+SPLIT_CHOICES = (1, 2, 4)  # blocks per split a launch may ask for (and the tiles hold)
+STEP_KERNELS = {(fmt, g, d, n): make_attention_step_kernel(READERS[k], READERS[v], g, d, n)
+                for fmt, (k, v) in SIDES.items() for g in range(1, MAX_GROUP + 1) for d in HEAD_DIMS
+                for n in SPLIT_CHOICES if n <= split_fits(d)}
 
 
 def attention_step(fmt, n_kv, args, sides, out, rotate_out: bool, per_split: int | None):
@@ -350,15 +362,16 @@ def attention_step(fmt, n_kv, args, sides, out, rotate_out: bool, per_split: int
     q, blocks = args[0], args[2]
     n_q, n_heads, head_dim = q.shape
     group = n_heads // n_kv
-    fits = min(MAX_SPLIT_BLOCKS, K_TILE_VALUES // (BLOCK * (head_dim + 1)), V_TILE_VALUES // (BLOCK * head_dim))
+    fits = split_fits(head_dim)
     per_split = min(STEP_BLOCKS_PER_SPLIT, fits) if per_split is None else per_split
-    assert 1 <= per_split <= fits, f"per_split {per_split} not in 1..{fits} (the shared tiles)"
+    assert per_split in SPLIT_CHOICES and per_split <= fits, \
+        f"per_split {per_split} is not one of {SPLIT_CHOICES} up to {fits} (the shared tiles)"
     assert group <= MAX_GROUP and head_dim in HEAD_DIMS, \
         f"no step kernel for {group} query heads per KV head of {head_dim} (built: <= {MAX_GROUP}, {HEAD_DIMS})"
     n_splits = padded_splits(blocks.shape[1], per_split, head_dim)
-    assert group * n_splits <= K_TILE_VALUES, f"{n_splits} splits: raise per_split for the merge's weights"
+    assert group * n_splits <= min(K_TILE_VALUES, V_TILE_VALUES), \
+        f"{n_splits} splits: raise per_split for the merge's m and l"
     records = device_empty((n_q, n_kv, n_splits, group, record_width(head_dim)), np.float32)
-    parts = score_parts(per_split * BLOCK, head_dim)
-    STEP_KERNELS[fmt, group, head_dim][(n_q, n_kv, n_splits), STEP_THREADS, stream()](
-        *args, np.int32(per_split), np.int32(parts), np.int32(rotate_out), *sides, records,
+    STEP_KERNELS[fmt, group, head_dim, per_split][(n_q, n_kv, n_splits), STEP_THREADS, stream()](
+        *args, np.int32(rotate_out), *sides, records,
         ticket_counters("attention_step", (n_q, n_kv)), out)

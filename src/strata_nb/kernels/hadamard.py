@@ -19,6 +19,7 @@ from numba import cuda, float32
 from strata_nb.kernels.launch import DeviceArgs, device_empty, grid_for, is_host_numpy
 
 N = 64  # values per transform: one head row of the default model
+LOG_N = 6  # its rounds: N = 2 ** LOG_N
 SCALE = np.float32(1 / 8)  # 1 / sqrt(64): makes H orthonormal; a power of two, so exact
 
 
@@ -66,17 +67,18 @@ def fwht64_rows(rows, n_rows, width, t, n_threads):
     shared array, and every thread of the block calls this together (thread t of
     n_threads). fwht64's rounds with one butterfly per thread per round and a barrier
     between rounds: the same additions in the same order, so the same bits."""
-    h = 1
-    while h < N:
+    for lg in range(LOG_N):  # round lg pairs values h = 2**lg apart
+        h = 1 << lg
         for p in range(t, n_rows * width // 2, n_threads):
             r, k = p // (width // 2), p % (width // 2)
-            j = (k // h) * 2 * h + k % h  # pair (j, j + h) of its run of 2h values
+            # pair (j, j + h) of its run of 2h values: (k // h) * 2h + k % h, in shifts
+            # (h is a power of two, and a division by a runtime value is slow on a GPU)
+            j = ((k >> lg) << (lg + 1)) | (k & (h - 1))
             a = rows[r, j]
             b = rows[r, j + h]
             rows[r, j] = a + b
             rows[r, j + h] = a - b
         cuda.syncthreads()
-        h *= 2
     for e in range(t, n_rows * width, n_threads):
         rows[e // width, e % width] *= SCALE
     cuda.syncthreads()
