@@ -239,6 +239,9 @@ def make_attention_kernel(read_k, read_v, D):
         m_r = cuda.local.array(RM, float32)
         l_r = cuda.local.array(RM, float32)
         pos_r = cuda.local.array(RM, int32)  # the row's query position, -1 = no row
+        qi_r = cuda.local.array(RM, int32)  # the row's query within the tile (r // G: worked out
+                                            # once, G is known only at run time, and a runtime
+                                            # division is a long routine on a GPU)
 
         for e in range(t, Q_ROWS * D, THREADS):  # rows past the tile's: zeros
             r, j = e // D, e % D
@@ -248,7 +251,8 @@ def make_attention_kernel(read_k, read_v, D):
             last = max(last, q_pos[i])
         for i in range(RM):
             r = ry + ROW_GROUPS * i
-            pos_r[i] = q_pos[q0 + r // G] if r < rows else -1
+            qi_r[i] = r // G
+            pos_r[i] = q_pos[q0 + qi_r[i]] if r < rows else -1
             m_r[i], l_r[i] = NEG_INF, float32(0.0)
             for dd in range(DPT):
                 acc[i, dd] = float32(0.0)
@@ -320,7 +324,7 @@ def make_attention_kernel(read_k, read_v, D):
                         s_reg[i, jj] += a_reg[i] * b_reg[jj]
             for i in range(RM):
                 r = ry + ROW_GROUPS * i
-                qi = r // G
+                qi = qi_r[i]
                 top = NEG_INF
                 for jj in range(CPT):
                     c = cx + COL_GROUPS * jj

@@ -304,16 +304,23 @@ def make_matvec_kernel(part, nibbles, load_x, store_y, normed, x_rows, rows):
             for r in range(x_rows):
                 if r < n:
                     squares = float32(0.0)
-                    for j in range(t, n_in, n_threads):
+                    j = t
+                    while j < n_in:  # not range(t, n_in, n_threads): see the trips below
                         squares += x[r, j] * x[r, j]
+                        j += n_threads
                     inv[r] = float32(1.0) / math.sqrt(block_sum(squares) / float32(n_in) + eps)
         # Grid-stride over the rows of W, `rows` at a time: every thread of the block makes
-        # the same trips, so each trip's reductions are reached by all of them.
-        for o0 in range(cuda.blockIdx.x * rows, n_out, cuda.gridDim.x * rows):
+        # the same trips, so each trip's reductions are reached by all of them. The strided
+        # loops are while loops: `range(a, b, step)` with a step known only at run time
+        # works out its trip count with a 64-bit division, a long routine on a GPU
+        # (sm90.wide_divides), before the first trip.
+        o0 = cuda.blockIdx.x * rows
+        while o0 < n_out:
             for k in range(rows):
                 for r in range(x_rows):  # constant trip counts: the arrays stay in registers
                     acc[k, r] = float32(0.0)
-            for q in range(t, n_parts, n_threads):
+            q = t
+            while q < n_parts:
                 blk, p = q // PARTS, q % PARTS
                 for k in range(rows):
                     if o0 + k < n_out:
@@ -333,6 +340,7 @@ def make_matvec_kernel(part, nibbles, load_x, store_y, normed, x_rows, rows):
                             for j in range(PART):
                                 total += w[k, j] * xs[j]
                             acc[k, r] = total
+                q += n_threads
             # Sum the threads' partial sums: within each warp by shuffles, then the warps'
             # sums in warp order, so the result never depends on timing. A one-warp block
             # (a short row; every block under the simulator) stores its sums directly: no
@@ -355,6 +363,7 @@ def make_matvec_kernel(part, nibbles, load_x, store_y, normed, x_rows, rows):
                         total += per_warp[v, k, r]
                     store_y(y, r, o0 + k, total)
                 cuda.syncthreads()  # per_warp is read before the next trip writes it
+            o0 += cuda.gridDim.x * rows
 
     return matvec_kernel
 
