@@ -60,10 +60,14 @@ def attention():
             print(f"{fmt} prompt chunk of 256 at 8K, {tile} queries per block: {t}", flush=True)
 
 
+# A decode step's fused matvecs: (weight type, rows of W, row length, prologue/epilogue)
+MATVEC_SHAPES = {"qkv": ("Q4_1", 960, 576, "normed"), "o": ("Q4_1", 576, 576, "add"),
+                 "gate_up": ("Q4_1", 3072, 576, "normed"), "down": ("Q4_1", 576, 1536, "gated"),
+                 "head": ("Q8_0", 49152, 576, "normed")}
+
+
 def matvecs():
-    shapes = {"qkv": ("Q4_1", 960, 576, "normed"), "o": ("Q4_1", 576, 576, "add"),
-              "gate_up": ("Q4_1", 3072, 576, "normed"), "down": ("Q4_1", 576, 1536, "gated"),
-              "head": ("Q8_0", 49152, 576, "normed")}
+    shapes = MATVEC_SHAPES
     weights = {k: cuda.to_device(rng.integers(0, 64, (o, mv.row_bytes(q, i)), dtype=np.uint8))
                for k, (q, o, i, _) in shapes.items()}
     x = cuda.to_device(rng.standard_normal((1, 3072)).astype(np.float32))

@@ -1,0 +1,157 @@
+"""Two versions of a kernel module timed side by side in one process, on a GPU (CUPTI,
+needs torch): the working tree's against the same file at a git revision, or against a
+file. Both run on the same device arrays, in alternation, twice over, and the outputs are
+compared bit for bit, so a change that moves the time is seen next to the one it
+replaces, not across two runs (or two machines) whose clocks and neighbours differ.
+
+    STRATA_NB_GPU=1 python tools/kernel_ab.py attention_step HEAD~1
+    STRATA_NB_GPU=1 python tools/kernel_ab.py matvec path/to/old_matvec.py
+
+Modules it knows how to drive, on the default model's shapes with random bytes for K/V
+and weights (the times depend on the shapes only):
+
+- `attention_step`: one decode query at 48, 1,024 and 8,192 cells of a 512-block list
+  (as a replayed step lists every block), and 1,024 of a 68-block list, fp16 and k8v4;
+- `attention`: the prompt kernel and its combine, 256 queries ending at 8K and 2,048
+  ending at 4K, fp16 and k8v4;
+- `matvec`: each fused matvec of a decode step (q|k|v, o, gate|up, down, the Q8_0 head).
+
+Each version is loaded as its own module (`strata_nb.kernels.<name>_ab0`, `_ab1`), so
+its kernels compile apart and CUPTI names them as the product's.
+"""
+import importlib.util
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tools"))
+
+
+def load(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(f"strata_nb.kernels.{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def old_source(module: str, against: str, tmp: Path) -> Path:
+    """The file to compare with: `against` itself if it is one, else the module's file at
+    that git revision."""
+    if Path(against).is_file():
+        return Path(against)
+    rel = f"src/strata_nb/kernels/{module}.py"
+    text = subprocess.run(["git", "-C", str(ROOT), "show", f"{against}:{rel}"], capture_output=True, text=True)
+    if text.returncode != 0:
+        sys.exit(f"kernel_ab: no {rel} at {against!r}: {text.stderr.strip()}")
+    path = tmp / f"{module}_{against.replace('/', '_').replace('~', '_')}.py"
+    path.write_text(text.stdout)
+    return path
+
+
+def side_by_side(label: str, versions: dict, run, result, steps: int) -> None:
+    """Time run(module) for each version, twice in alternation; print us and whether
+    result(module), the output of one fresh run, agrees with the first version's bit for bit."""
+    import kernel_bench as kb
+
+    cells, first = [], None
+    for _ in range(2):
+        for name, module in versions.items():
+            t = kb.us(lambda: run(module), steps)
+            out = result(module)
+            first = out if first is None else first
+            same = "" if np.array_equal(out, first, equal_nan=True) else " (output differs)"
+            cells.append(f"{name} {sum(t.values()):.1f}{same}")
+    print(f"{label}: " + " | ".join(cells), flush=True)
+
+
+def attention_step_cases(versions: dict) -> None:
+    from numba import cuda
+
+    import kernel_bench as kb
+    import strata_nb.kernels.attention as at
+
+    page_table = cuda.to_device(np.arange(kb.N_BLOCKS, dtype=np.int32))
+    for fmt in ("fp16", "k8v4"):
+        kv = kb.pool(fmt)
+        q = cuda.to_device(kb.rng.standard_normal((1, 9, 64)).astype(np.float32))
+        out = cuda.device_array((1, 9, 64), np.float32)
+        for depth, listed in ((48, 512), (1024, 68), (1024, 512), (8192, 512)):
+            blocks = cuda.to_device(np.arange(listed, dtype=np.int32).reshape(1, listed))
+            q_pos = cuda.to_device(np.array([depth - 1], np.int32))
+
+            def run(module):
+                at.attention_step = module.attention_step  # the launcher attention() calls
+                at.attention(fmt, q, q_pos, blocks, page_table, kv, None, out, rotate_out=fmt == "k8v4")
+
+            def result(module):
+                run(module)
+                return out.copy_to_host()
+            side_by_side(f"{fmt}, one query at {depth} cells of a {listed}-block list (us)", versions, run,
+                         result, 30)
+
+
+def attention_cases(versions: dict) -> None:
+    from numba import cuda
+
+    import kernel_bench as kb
+    from strata_nb.kv.select import all_blocks_upto
+
+    page_table = cuda.to_device(np.arange(kb.N_BLOCKS, dtype=np.int32))
+    for fmt in ("fp16", "k8v4"):
+        kv = kb.pool(fmt)
+        for n_q, end in ((256, kb.N_BLOCKS * 16), (2048, 4096)):
+            pos = np.arange(end - n_q, end, dtype=np.int32)
+            q = cuda.to_device(kb.rng.standard_normal((n_q, 9, 64)).astype(np.float32))
+            out = cuda.device_array((n_q, 9, 64), np.float32)
+            def run(module):
+                module.attention(fmt, q, pos, all_blocks_upto(pos), page_table, kv, None, out)
+
+            def result(module):
+                run(module)
+                return out.copy_to_host()
+            side_by_side(f"{fmt}, a prompt chunk of {n_q} ending at {end} (us, with its combine)", versions,
+                         run, result, 3)
+
+
+def matvec_cases(versions: dict) -> None:
+    from numba import cuda
+
+    import kernel_bench as kb
+
+    any_version = next(iter(versions.values()))
+    for name, (qtype, n_out, n_in, kind) in kb.MATVEC_SHAPES.items():
+        w = cuda.to_device(kb.rng.integers(0, 64, (n_out, any_version.row_bytes(qtype, n_in)), dtype=np.uint8))
+        x = cuda.to_device(kb.rng.standard_normal((1, 2 * n_in if kind == "gated" else n_in)).astype(np.float32))
+        norm = cuda.to_device(np.ones(n_in, np.float32))
+        y = cuda.device_array((1, n_out), np.float32)
+        kw = {"normed": dict(norm=norm, eps=1e-5), "add": dict(add=True), "gated": dict(swiglu=True, add=True)}[kind]
+        def result(module):  # one product into zeros: the timed runs keep adding to y
+            fresh = cuda.to_device(np.zeros((1, n_out), np.float32))
+            module.matvec(x, w, qtype, fresh, **kw)
+            return fresh.copy_to_host()
+        side_by_side(f"matvec {name} ({n_out} x {n_in} {qtype}, {kind}) (us)", versions,
+                     lambda m: m.matvec(x, w, qtype, y, **kw), result, 50)
+
+
+CASES = {"attention_step": attention_step_cases, "attention": attention_cases, "matvec": matvec_cases}
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2 or argv[0] not in CASES:
+        print(__doc__, file=sys.stderr)
+        return 2
+    module, against = argv
+    with tempfile.TemporaryDirectory() as tmp:
+        old = old_source(module, against, Path(tmp))
+        versions = {against: load(f"{module}_ab0", old),
+                    "working tree": load(f"{module}_ab1", ROOT / "src/strata_nb/kernels" / f"{module}.py")}
+        CASES[module](versions)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
