@@ -70,6 +70,20 @@ def test_select_blocks_ranks_ties_by_block():
     assert list(out[0]) == [0, 1, 2, 6]
 
 
+def test_select_blocks_ranks_nan_scores_last_as_the_host_does():
+    """A NaN score (K holding NaN) sorts after every number in the host's stable sort of
+    -scores, NaNs among themselves by block; the kernel must pick what the host picks."""
+    scores = np.array([[0.1, np.nan, -np.inf, 0.5, np.nan, -2.0, 0.3, 0.0, 1.0, 0.2, 0.4, 0.6, 0.7]], np.float32)
+    page_table = np.full(N_BLOCKS, -1, np.int32)
+    pos, window = 10 * 16, 1
+    for budget in (64, 112, 176):  # room for 2, 5 and 9 candidates: numbers, then the NaNs
+        width = budget // 16
+        want = run_select(select_blocks_ref, scores, pos, page_table, window, budget, width)
+        got = run_select(select_blocks, scores, pos, page_table, window, budget, width)
+        assert got[1].tobytes() == want[1].tobytes(), (budget, got[1], want[1])
+    assert list(want[1][0]) == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]  # the budget of 11 takes both NaNs last
+
+
 def tables(n_ring=2, n_pool=3):
     page_table = np.full(N_BLOCKS, -1, np.int32)
     slot_block = np.full(n_ring + n_pool, -1, np.int32)

@@ -32,6 +32,8 @@ A single SM simply had too many comparisons to make.
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from numba import config, cuda, float32, int32
 
@@ -74,6 +76,17 @@ def select_blocks_ref(scores,      # (1, n_blocks) float32 (unread when dense)
 
 
 # --8<-- [start:select_blocks_kernel]
+@cuda.jit(device=True)
+def outranks(other, c, mine, b):
+    """Whether candidate c (score `other`) comes before block b (score `mine`) in the
+    host's stable sort of -scores: a higher score, or the same score and a lower index.
+    NumPy sorts NaN after every number (NaNs among themselves by index); a plain `>`
+    would rank a NaN score before them all, and pick more blocks than the list holds."""
+    if math.isnan(mine):
+        return not math.isnan(other) or c < b
+    return other > mine or (other == mine and c < b)
+
+
 @cuda.jit
 def select_blocks_kernel(scores, q_pos, page_table, window_blocks, budget_cells, chosen, out, counts, arrivals):
     t = cuda.threadIdx.x
@@ -84,7 +97,8 @@ def select_blocks_kernel(scores, q_pos, page_table, window_blocks, budget_cells,
     take = max(0, max(1, budget_cells // BLOCK) - n_always)
 
     # Rank: threads (j, 0 .. PARTS-1) count the candidates that outrank block b, each
-    # over every PARTS-th candidate: a higher score, or the same score and a lower index.
+    # over every PARTS-th candidate: a higher score, or the same score and a lower index
+    # (`outranks`).
     # The candidates' scores are read by every thread: first into shared memory.
     j, p = t // PARTS, t % PARTS
     b = cuda.blockIdx.x * CANDIDATES + j
@@ -99,7 +113,7 @@ def select_blocks_kernel(scores, q_pos, page_table, window_blocks, budget_cells,
         mine = scores[0, b]
         for c in range(1 + p, first_window, PARTS):
             other = cand[c] if c < SHARED_SCORES else scores[0, c]
-            if other > mine or (other == mine and c < b):
+            if outranks(other, c, mine, b):
                 beaten += 1
     parts = cuda.shared.array((CANDIDATES, PARTS), int32)
     parts[j, p] = beaten
