@@ -68,6 +68,14 @@ def side_by_side(label: str, versions: dict, run, result, steps: int) -> None:
     print(f"{label}: " + " | ".join(cells), flush=True)
 
 
+def rerun_and_read(run, out):
+    """result() for side_by_side when run writes `out` afresh each time: one more run, read back."""
+    def result(module):
+        run(module)
+        return out.copy_to_host()
+    return result
+
+
 def attention_step_cases(versions: dict) -> None:
     from numba import cuda
 
@@ -86,12 +94,8 @@ def attention_step_cases(versions: dict) -> None:
             def run(module):
                 at.attention_step = module.attention_step  # the launcher attention() calls
                 at.attention(fmt, q, q_pos, blocks, page_table, kv, None, out, rotate_out=fmt == "k8v4")
-
-            def result(module):
-                run(module)
-                return out.copy_to_host()
             side_by_side(f"{fmt}, one query at {depth} cells of a {listed}-block list (us)", versions, run,
-                         result, 30)
+                         rerun_and_read(run, out), 30)
 
 
 def attention_cases(versions: dict) -> None:
@@ -107,14 +111,11 @@ def attention_cases(versions: dict) -> None:
             pos = np.arange(end - n_q, end, dtype=np.int32)
             q = cuda.to_device(kb.rng.standard_normal((n_q, 9, 64)).astype(np.float32))
             out = cuda.device_array((n_q, 9, 64), np.float32)
+
             def run(module):
                 module.attention(fmt, q, pos, all_blocks_upto(pos), page_table, kv, None, out)
-
-            def result(module):
-                run(module)
-                return out.copy_to_host()
             side_by_side(f"{fmt}, a prompt chunk of {n_q} ending at {end} (us, with its combine)", versions,
-                         run, result, 3)
+                         run, rerun_and_read(run, out), 3)
 
 
 def matvec_cases(versions: dict) -> None:
@@ -128,7 +129,8 @@ def matvec_cases(versions: dict) -> None:
         x = cuda.to_device(kb.rng.standard_normal((1, 2 * n_in if kind == "gated" else n_in)).astype(np.float32))
         norm = cuda.to_device(np.ones(n_in, np.float32))
         y = cuda.device_array((1, n_out), np.float32)
-        kw = {"normed": dict(norm=norm, eps=1e-5), "add": dict(add=True), "gated": dict(swiglu=True, add=True)}[kind]
+        kw = kb.fused(kind, norm)
+
         def result(module):  # one product into zeros: the timed runs keep adding to y
             fresh = cuda.to_device(np.zeros((1, n_out), np.float32))
             module.matvec(x, w, qtype, fresh, **kw)

@@ -66,22 +66,24 @@ MATVEC_SHAPES = {"qkv": ("Q4_1", 960, 576, "normed"), "o": ("Q4_1", 576, 576, "a
                  "head": ("Q8_0", 49152, 576, "normed")}
 
 
+def fused(kind, norm):
+    """matvec's keyword arguments for a MATVEC_SHAPES kind; norm: the rmsnorm weight."""
+    return {"normed": dict(norm=norm, eps=1e-5), "add": dict(add=True), "gated": dict(swiglu=True, add=True)}[kind]
+
+
 def matvecs():
-    shapes = MATVEC_SHAPES
     weights = {k: cuda.to_device(rng.integers(0, 64, (o, mv.row_bytes(q, i)), dtype=np.uint8))
-               for k, (q, o, i, _) in shapes.items()}
+               for k, (q, o, i, _) in MATVEC_SHAPES.items()}
     x = cuda.to_device(rng.standard_normal((1, 3072)).astype(np.float32))
     norm = cuda.to_device(np.ones(576, np.float32))
     default = mv.ROWS
     for rows in (2, 4, 8):
         mv.ROWS, mv.MATVEC_KERNELS = rows, mv.matvec_kernels(rows)
         times = []
-        for name, (qtype, n_out, n_in, kind) in shapes.items():
+        for name, (qtype, n_out, n_in, kind) in MATVEC_SHAPES.items():
             y = cuda.device_array((1, n_out), np.float32)
             xs = x[:, :2 * n_in] if kind == "gated" else x[:, :n_in]
-            kw = {"normed": dict(norm=norm[:n_in], eps=1e-5), "add": dict(add=True),
-                  "gated": dict(swiglu=True, add=True)}[kind]
-            t = us(lambda: mv.matvec(xs, weights[name], qtype, y, **kw), 50)
+            t = us(lambda: mv.matvec(xs, weights[name], qtype, y, **fused(kind, norm[:n_in])), 50)
             times.append(f"{name} {sum(t.values()):.1f}")
         print(f"matvec, {rows} rows of W per block (us): " + ", ".join(times), flush=True)
     mv.ROWS, mv.MATVEC_KERNELS = default, mv.matvec_kernels(default)

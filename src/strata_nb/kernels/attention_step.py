@@ -369,8 +369,7 @@ def attention_step(fmt, n_kv, args, sides, out, rotate_out: bool, per_split: int
     assert group <= MAX_GROUP and head_dim in HEAD_DIMS, \
         f"no step kernel for {group} query heads per KV head of {head_dim} (built: <= {MAX_GROUP}, {HEAD_DIMS})"
     n_splits = padded_splits(blocks.shape[1], per_split, head_dim)
-    assert group * n_splits <= min(K_TILE_VALUES, V_TILE_VALUES), \
-        f"{n_splits} splits: raise per_split for the merge's m and l"
+    assert group * n_splits <= K_TILE_VALUES, f"{n_splits} splits: raise per_split for the merge's weights"
     records = device_empty((n_q, n_kv, n_splits, group, record_width(head_dim)), np.float32)
     STEP_KERNELS[fmt, group, head_dim, per_split][(n_q, n_kv, n_splits), STEP_THREADS, stream()](
         *args, np.int32(rotate_out), *sides, records,

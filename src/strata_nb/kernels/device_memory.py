@@ -43,6 +43,7 @@ from numba import config
 GRANULE = 512  # bytes: cuMemAlloc's alignment; sizes are cached rounded up to it
 
 
+# --8<-- [start:block_cache]
 class BlockCache:
     """Free device blocks by (rounded) size. `allocate(nbytes)` and `release(pointer)` are
     the driver's calls, `out_of_memory` the exception allocate raises when the device is
@@ -84,6 +85,7 @@ class BlockCache:
                 self.release(pointer)
         self.free.clear()
         self.cached_bytes = 0
+# --8<-- [end:block_cache]
 
 
 if not config.ENABLE_CUDASIM:

@@ -15,8 +15,9 @@ It also counts, for the cache's counters, how many blocks the step looked up and
 of those were not in VRAM (all of them read in place).
 
 Block b is chosen if it is in the window or block 0, or if fewer than `take` other
-candidates outrank it: a higher score, or the same score and a lower index. That rank is
-the block's place in the stable sort, so the choice is the host's. Ranking every
+candidates outrank it: a higher score, or the same score and a lower index (a NaN score
+below every number, where NumPy sorts it). That rank is the block's place in the stable
+sort, so the choice is the host's. Ranking every
 candidate against every other is n^2 comparisons (about 240,000 at 8K of context), so
 it is spread over the GPU: a thread block ranks 32 blocks, 8 threads per block, each
 thread comparing against every 8th candidate, from a copy of the scores in shared
