@@ -1,5 +1,7 @@
 """Where a decode step's time goes: each kernel's GPU time, against the step's wall time
-with graph replay and without it (every kernel launched from Python).
+with graph replay, one step at a time and with the next step queued while the host reads
+the pick (DeviceStep.run_ahead, what generate and the bench do), and without graph replay
+(every kernel launched from Python).
 
 Kernel times come from CUPTI through `torch.profiler`, which records every kernel the
 process runs, Numba's included; so this needs torch. Without it the breakdown is skipped.
@@ -45,6 +47,16 @@ def wall_us(run, steps: int, sync) -> float:
     return (time.perf_counter() - t0) / steps * 1e6
 
 
+def ahead_wall_us(s: DeviceStep, steps: int, sync) -> float:
+    """Wall time per step of `steps` steps run ahead: no host wait between them."""
+    sync()
+    t0 = time.perf_counter()
+    for _ in s.run_ahead(*s.next_input, steps):
+        pass
+    sync()
+    return (time.perf_counter() - t0) / steps * 1e6
+
+
 # --8<-- [start:profile_step]
 def profile_decode(eng, prompt: list[int]) -> dict:
     """One configuration's decode step: kernels (graph replay), wall time with and without."""
@@ -64,6 +76,7 @@ def profile_decode(eng, prompt: list[int]) -> dict:
     prefill = kernel_times(lambda: eng._forward(chunk, len(prompt) - len(chunk), True, False), 1)
     return {"kernels": kernels, "gpu_us": sum(us for _, us in kernels.values()),
             "graph_wall_us": wall_us(step(graph), STEPS, eng.be.synchronize),
+            "ahead_wall_us": ahead_wall_us(graph, STEPS, eng.be.synchronize),
             "eager_wall_us": wall_us(step(eager), STEPS, eng.be.synchronize),
             "launches": sum(n for n, _ in kernels.values()),
             "prefill_chunk": len(chunk), "prefill_kernels": prefill,

@@ -47,9 +47,11 @@ def table(result: dict) -> str:
 
 def profile_table(prof: dict) -> str:
     step_gpu = prof["gpu_us"]
+    ahead = (f", {prof['ahead_wall_us']:,.0f} us with the next step queued while the host reads the pick"
+             if "ahead_wall_us" in prof else "")  # JSON from before run_ahead has no such key
     lines = [f"Decode step: {prof['launches']:.0f} kernels, {step_gpu:,.0f} us of GPU time; wall time "
-             f"{prof['graph_wall_us']:,.0f} us replayed from a graph, {prof['eager_wall_us']:,.0f} us "
-             "launched one by one.", "",
+             f"{prof['graph_wall_us']:,.0f} us replayed from a graph one step at a time{ahead}, "
+             f"{prof['eager_wall_us']:,.0f} us launched one by one.", "",
              "| kernel | launches per step | GPU us per step | share |", "| --- | ---: | ---: | ---: |"]
     for name, (n, us) in sorted(prof["kernels"].items(), key=lambda kv: -kv[1][1]):
         lines.append(f"| `{name}` | {n:.0f} | {us:,.1f} | {100 * us / step_gpu:.1f}% |")

@@ -82,11 +82,11 @@ GREEDY = SamplingSettings()
 
 
 def decode(eng, step, tokens: list[int], pos: int, n: int) -> int:
-    """Append n greedy tokens to `tokens`, the first decoded at `pos`; returns the next pos."""
-    for _ in range(n):
-        tokens.append(eng.next_token(tokens[-1], pos, GREEDY, None, step))
-        pos += 1
-    return pos
+    """Append n greedy tokens to `tokens`, the first decoded at `pos`; returns the next pos.
+    The engine's own loop: on the device step each next step is queued while the host
+    reads the last pick."""
+    tokens.extend(eng.tokens_after(tokens[-1], pos, n, GREEDY, None, step))
+    return pos + n
 
 
 def run_config(base, cfg: Config, prompt: list[int], runs: int, n_decode: int) -> tuple[Row, dict]:

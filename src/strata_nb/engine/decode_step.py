@@ -12,8 +12,9 @@ arrays, which every launch copies over. Here they stay on the device:
 so one step's launches are the same every token and can be captured once into a CUDA graph
 (backend/cuda_graph.py) and replayed. Greedy decode, and temperature / top-p sampling
 (drawn on the device from a seed and the position), then never wait on the host between
-steps except to read the 4-byte pick from mapped memory; top-k sampling reads the logits
-back and writes its token over `token`.
+steps: `run_ahead` queues the next step before it reads this one's 4-byte pick from mapped
+memory. Top-k sampling reads the logits back and writes its token over `token`, one
+step at a time (`run`).
 
 A streamed or QSA cache makes its per-step decisions on the device too: the ring follows
 the position (kernels/map_ring.py), the step selects its blocks (kernels/select_blocks.py),
@@ -27,11 +28,15 @@ against the host path.
 from __future__ import annotations
 
 import numpy as np
+from numba import cuda
 
 from ..backend import gpu_present
 from ..errors import StrataError
+from ..kernels.launch import stream
 from ..kv.formats import BLOCK
 from .forward import forward
+
+PICK_RING = 4  # slots of the mapped pick ring: run_ahead has at most two steps in flight
 
 
 # --8<-- [start:device_step]
@@ -47,7 +52,7 @@ class DeviceStep:
         self.picks = greedy or self.draw is not None  # is run()'s token the one to use?
         self.token = be.asarray(np.zeros(1, np.int32))
         self.pos = be.asarray(np.zeros(1, np.int32))
-        self.chosen = be.host_array((1,), np.int32)  # mapped: the step's pick, read by the host
+        self.chosen = be.host_array((PICK_RING,), np.int32)  # mapped: step p's pick at p % PICK_RING
         self.use_graph = use_graph and gpu_present()
         self.graph = None  # captured on the second step: the first compiles every kernel
         self.logits = None  # (1, vocab) device array the step writes
@@ -70,12 +75,51 @@ class DeviceStep:
 
     def run(self, token: int, pos: int) -> int:
         """Decode `token` at `pos`; returns the step's pick (logits in `self.logits`)."""
+        self._write_inputs(token, pos)
+        return self._pick(pos, self._queue())
+
+    # --8<-- [start:run_ahead]
+    def run_ahead(self, token: int, pos: int, n: int):
+        """Decode `token` at `pos`, then each pick at the next position: n steps, whose picks
+        are yielded one at a time (usable when `picks`: the device chose every token).
+
+        Step k + 1 is queued before step k's pick is read, so the GPU goes from one step
+        straight to the next while the host reads, detokenizes and checks for a stop.
+        Closing the generator early (a stop token) leaves one step run past the last pick
+        read: its cells lie after the sequence's end, to be written over by whatever comes
+        next at that position, and the device buffers then hold its output (`next_input`
+        says so). `self.logits` is the last queued step's."""
+        if n <= 0:
+            return
+        self._check_position(pos + n - 1)  # before anything runs
+        self._write_inputs(token, pos)
+        queued = [(pos, self._queue())]
+        try:
+            for k in range(n):
+                if k + 1 < n:
+                    queued.append((pos + k + 1, self._queue()))
+                at, done = queued.pop(0)
+                yield self._pick(at, done)
+        finally:
+            for at, done in queued:  # the step queued past the last pick read
+                self._pick(at, done)
+    # --8<-- [end:run_ahead]
+
+    def _check_position(self, pos: int):
         if not 0 <= pos < self.kv.n_blocks * BLOCK:  # the kernels do not bounds-check positions
             raise StrataError(f"position {pos} is outside the KV cache's {self.kv.n_blocks * BLOCK} cells")
+
+    def _write_inputs(self, token: int, pos: int):
+        self._check_position(pos)
         if self._next != (token, pos):  # a sampled token, or the first step: write the inputs
             self.be.copy_into(self.token, np.array([token], np.int32))
             self.be.copy_into(self.pos, np.array([pos], np.int32))
             self.kv.before_device_steps(pos)
+
+    def _queue(self):
+        """One step's launches, queued: replayed from the graph once there is one (captured
+        on the second step: the first compiles every kernel). Returns an event that fires
+        when the step is done."""
         if self.graph is None and self.use_graph and self.logits is not None:
             from ..backend.cuda_graph import StepGraph
 
@@ -84,11 +128,18 @@ class DeviceStep:
             self.logits = self.graph.result
         if self.graph is not None:
             self.graph.replay()
-            self.graph.synchronize()
+            on = self.graph.stream
         else:
             self.logits = self.launch()
-            self.be.synchronize()
-        picked = int(self.chosen[0])
+            on = stream()
+        done = cuda.event()
+        done.record(on)
+        return done
+
+    def _pick(self, pos: int, done) -> int:
+        """Wait for the step at `pos`, then read its pick from the mapped ring."""
+        done.synchronize()
+        picked = int(self.chosen[pos % len(self.chosen)])
         self._next = (picked, pos + 1)
         return picked
 

@@ -129,6 +129,17 @@ class Engine:
         picked = step.run(token, pos)  # greedy (equal to the host's pick) or drawn on the device
         return picked if step.picks else sample(step.logits_on_host(), s, rng)
 
+    def tokens_after(self, token: int, pos: int, n: int, s: SamplingSettings, rng, step: DeviceStep | None):
+        """The n tokens after `token` at `pos`, one decode step each, as an iterator. When the
+        device picks every token, the next step is queued while the host takes this one
+        (DeviceStep.run_ahead); close the iterator to stop early."""
+        if step is not None and step.picks:
+            yield from step.run_ahead(token, pos, n)
+            return
+        for p in range(pos, pos + n):
+            token = self.next_token(token, p, s, rng, step)
+            yield token
+
     def _forward(self, ids, start: int, prompt: bool, all_logits: bool) -> np.ndarray:
         """ids at positions start, start + 1, ... through every layer -> logits (n or 1, vocab)."""
         part = np.asarray(ids, np.int32)
@@ -179,21 +190,26 @@ class Engine:
         t0, pos = time.perf_counter(), len(ids)
         step = self.device_step(s, rng)
         token = sample(logits, s, rng)
-        while True:
-            if token in self.tokenizer.stop_ids:
-                stats.finish_reason = "stop"
-                break
-            stats.generated_tokens += 1
-            if on_token:
-                on_token(token)
-            piece = decoder.push(token)
-            if piece:
-                yield piece
-            if stats.generated_tokens >= s.max_tokens or pos >= self.settings.max_context:
-                stats.finish_reason = "length"
-                break
-            token = self.next_token(token, pos, s, rng, step)
-            pos += 1
+        # a step decodes at each pos < max_context while fewer than max_tokens are out
+        later = self.tokens_after(token, pos, min(s.max_tokens - 1, self.settings.max_context - pos), s, rng, step)
+        try:
+            while True:
+                if token in self.tokenizer.stop_ids:
+                    stats.finish_reason = "stop"
+                    break
+                stats.generated_tokens += 1
+                if on_token:
+                    on_token(token)
+                piece = decoder.push(token)
+                if piece:
+                    yield piece
+                if stats.generated_tokens >= s.max_tokens or pos >= self.settings.max_context:
+                    stats.finish_reason = "length"
+                    break
+                token = next(later)
+                pos += 1
+        finally:
+            later.close()  # waits for a step queued past the stop
         stats.decode_seconds = time.perf_counter() - t0
         tail = decoder.flush()
         if tail:
