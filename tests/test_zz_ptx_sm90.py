@@ -41,7 +41,7 @@ def test_a_factory_kernel_is_named_by_what_it_was_made_from():
     normed = mv.MATVEC_KERNELS["Q8_0", "normed", "store", 1]
     gated = mv.MATVEC_KERNELS["Q4_1", "gated", "add", 8]
     assert variant(normed.py_func) == ("part=part_q8_0,nibbles=False,load_x=x_normed,store_y=y_store,normed=True,"
-                                       f"x_rows=1,rows={mv.ROWS}")
+                                       f"x_rows=1,rows={mv.ROWS},rope=False")
     assert variant(gated.py_func) != variant(normed.py_func)
 
 

@@ -164,6 +164,40 @@ def test_fused_matvec_matches_ref(prologue, add, n):
         assert not within(stored, want, bound)
 
 
+@pytest.mark.parametrize("n, warps", [(1, None), (1, 3), (2, 3)] if not ON_GPU else [(1, None), (3, None)])
+def test_rope_epilogue_equals_matvec_then_rope_bit_for_bit(n, warps):
+    """q|k|v with RoPE fused into the matvec's store: the same totals, rotated by
+    rope_qkv_kernel's products in its order, so the bits of the unfused pair of launches
+    (each held to its reference above). One warp and three (the shared-memory path); a
+    negative control with the next position's angles must differ."""
+    rng = np.random.default_rng(13)
+    n_heads, n_kv, hd = (9, 3, 64) if ON_GPU else (3, 1, 8)
+    n_in, n_out = (576 if ON_GPU else 96), (n_heads + 2 * n_kv) * hd
+    raw = quantized(rng, "Q4_1", (n_out, n_in))
+    x = rng.standard_normal((n, n_in)).astype(np.float32)
+    norm = (1 + 0.1 * rng.standard_normal(n_in)).astype(np.float32)
+    angles = rng.uniform(0, 100, (n + 1, hd // 2))
+    cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    plain = np.full((n, n_out), np.nan, np.float32)
+    matvec(x, raw, "Q4_1", plain, norm=norm, eps=1e-5, warps=warps)
+    want = [np.zeros((n, h, hd), np.float32) for h in (n_heads, n_kv, n_kv)]
+    rope_qkv(plain, cos[:n], sin[:n], *want)
+    want = np.concatenate([a.reshape(n, -1) for a in want], axis=1)
+    fused, shifted = (np.full((n, n_out), np.nan, np.float32) for _ in range(2))
+    matvec(x, raw, "Q4_1", fused, norm=norm, eps=1e-5, rope=(cos[:n], sin[:n], n_heads, n_kv), warps=warps)
+    assert fused.tobytes() == want.tobytes()
+    matvec(x, raw, "Q4_1", shifted, norm=norm, eps=1e-5, rope=(cos[1:], sin[1:], n_heads, n_kv), warps=warps)
+    assert (shifted[:, :(n_heads + n_kv) * hd] != want[:, :(n_heads + n_kv) * hd]).any()
+    assert shifted[:, (n_heads + n_kv) * hd:].tobytes() == want[:, (n_heads + n_kv) * hd:].tobytes()  # v unrotated
+    ref = np.zeros((n, n_out), np.float32)
+    matvec_ref(x, raw, "Q4_1", ref, norm=norm, eps=1e-5, rope=(cos[:n], sin[:n], n_heads, n_kv))
+    plain_ref = np.zeros((n, n_out), np.float32)
+    matvec_ref(x, raw, "Q4_1", plain_ref, norm=norm, eps=1e-5)
+    want_ref = [np.zeros((n, h, hd), np.float32) for h in (n_heads, n_kv, n_kv)]
+    rope_qkv_ref(plain_ref, cos[:n], sin[:n], *want_ref)
+    assert ref.tobytes() == np.concatenate([a.reshape(n, -1) for a in want_ref], axis=1).tobytes()
+
+
 @pytest.mark.parametrize("qtype, n, shape", MATMUL_CASES)
 def test_matmul_matches_ref(qtype, n, shape):
     rng = np.random.default_rng(n)

@@ -152,6 +152,18 @@ class CudaBackend:
         matvec.matvec(x, w.raw, w.qtype, y, norm=norm, eps=eps)
         return y
 
+    def normed_matmul_rope(self, x, norm, eps: float, w: DeviceMatrix, cos, sin, n_heads: int, n_kv: int, hd: int):
+        # A decode step's q|k|v: one matvec with the norm before and RoPE after. q, k and v
+        # are then views of its one output row. Several rows interleave the heads, so a
+        # verify window or prompt chunk rotates with the separate kernel.
+        if x.shape[0] != 1:
+            return self.rope_qkv(self.normed_matmul(x, norm, eps, w), cos, sin, n_heads, n_kv, hd)
+        qkv = device_empty((1, w.shape[0]), np.float32)
+        matvec.matvec(x, w.raw, w.qtype, qkv, norm=norm, eps=eps, rope=(cos, sin, n_heads, n_kv))
+        edges = np.cumsum([0, n_heads * hd, n_kv * hd, n_kv * hd])
+        return tuple(qkv[0, a:b].reshape(1, heads, hd)
+                     for a, b, heads in zip(edges[:-1], edges[1:], (n_heads, n_kv, n_kv)))
+
     def matmul_add_(self, x, a, w: DeviceMatrix):
         if x.shape[0] > matvec.MAX_ROWS:
             return self.add_(x, self.matmul(a, w))

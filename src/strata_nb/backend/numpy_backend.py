@@ -106,6 +106,10 @@ class NumpyBackend:
         # rmsnorm(x) @ W.T
         return self.matmul(self.rmsnorm(x, norm, eps), w)
 
+    def normed_matmul_rope(self, x, norm, eps: float, w, cos, sin, n_heads: int, n_kv: int, hd: int):
+        # rmsnorm(x) @ Wqkv.T, then RoPE on its q and k heads -> q, k, v
+        return self.rope_qkv(self.normed_matmul(x, norm, eps, w), cos, sin, n_heads, n_kv, hd)
+
     def matmul_add_(self, x, a, w):
         # x += a @ W.T, in place
         return self.add_(x, self.matmul(a, w))

@@ -2,9 +2,9 @@
 
 The same code serves a prompt chunk (n tokens), a decode step (1) and a verify window
 (T <= 8); the backend `be` supplies the ops and the KV cache `kv` owns the K/V. The
-norms, the gate and the residual adds are named with the matrix products they come
-with (`normed_matmul`, `gated_matmul_add_`, `matmul_add_`): the cuda backend fuses each
-into its matvec for a step, one kernel launch instead of two.
+norms, RoPE, the gate and the residual adds are named with the matrix products they come
+with (`normed_matmul`, `normed_matmul_rope`, `gated_matmul_add_`, `matmul_add_`): the cuda
+backend fuses each into its matvec for a step, one kernel launch instead of two or three.
 """
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ def forward(be, w: ModelWeights, kv, ids, positions, prompt: bool, all_logits: b
     x = be.embed(w.token_embd, be.asarray(ids))  # (n, d) the residual stream
     cos, sin = be.embed(w.rope_cos, pos), be.embed(w.rope_sin, pos)  # (n, hd/2)
     for layer, L in enumerate(w.layers):
-        qkv = be.normed_matmul(x, L.attn_norm, eps, L.wqkv)  # (n, (n_heads + 2 n_kv) hd)
-        q, k, v = be.rope_qkv(qkv, cos, sin, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim)
+        # q (n, n_heads, hd), k and v (n, n_kv, hd): the q|k|v product, its q and k roped
+        q, k, v = be.normed_matmul_rope(x, L.attn_norm, eps, L.wqkv, cos, sin, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim)
         kv.append(layer, positions, k, v, prompt)  # host copy + VRAM through the one writer
         a = kv.attend(layer, q, positions, prompt)  # (n, n_heads, hd)
         be.matmul_add_(x, a.reshape(n, cfg.n_heads * cfg.head_dim), L.wo)  # x += a Wo

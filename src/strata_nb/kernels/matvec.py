@@ -30,8 +30,9 @@ x itself is read through the cache: every block of the grid reads the same few K
 Fused in (the forward pass's `normed_matmul`, `gated_matmul_add_`, `matmul_add_`): a
 *prologue* decides what the kernel multiplies, x itself, rmsnorm(x) (each thread block
 works out the row's norm once, with `block_sum`) or swiglu(gate|up); an *epilogue*
-stores y or adds to it (the residual). A decode step launches 121 matvecs and no
-separate norm, gate or add.
+stores y, adds to it (the residual), or stores q|k|v with RoPE applied to its q and k
+heads (`normed_matmul_rope`, one row of x). A decode step launches 121 matvecs and no
+separate norm, RoPE, gate or add.
 
 Measured on an H200 (one decode step's matvecs, the default model's shapes; CUPTI, median
 of 50 launches; `tools/kernel_bench.py`): q|k|v with its norm 4.6 us, o with the add
@@ -74,8 +75,10 @@ import numpy as np
 from numba import config, cuda, float32
 
 from strata_nb.kernels.launch import DeviceArgs, expect, stream
+from strata_nb.kernels.quant_q4_0 import mul_rn
 from strata_nb.kernels.reduce import WARP, block_sum, warp_sum
 from strata_nb.kernels.rmsnorm import rmsnorm_ref
+from strata_nb.kernels.rope import rope_qkv_ref
 from strata_nb.kernels.swiglu import swiglu_ref
 from strata_nb.model.dequant import dequantize
 
@@ -102,13 +105,20 @@ def matvec_ref(x,      # (n, in) float32; (n, 2 in) with swiglu: gate values, th
                y,      # (n, out) float32, written (added to, with add)
                norm=None, eps=0.0,  # (in,) float32: multiply rmsnorm(x, norm, eps) instead of x
                swiglu=False,        # multiply swiglu(x) instead of x
-               add=False):          # y += x @ W.T instead of y = x @ W.T
+               add=False,           # y += x @ W.T instead of y = x @ W.T
+               rope=None):          # (cos, sin, n_heads, n_kv): rotate y's q and k heads
     """The decode step's matrix products with what comes before and after them fused in:
-    the norm before q|k|v, gate|up and the output head; the gate after gate|up; the
-    residual add after o and down. Each is its reference composed, in the same order."""
+    the norm before q|k|v, gate|up and the output head; RoPE after q|k|v; the residual
+    add after o and down. Each is its reference composed, in the same order."""
     x = prologue_ref(x, norm, eps, swiglu)
     if add:
         y += x @ dequantize(raw, qtype).T
+    elif rope is not None:
+        cos, sin, n_heads, n_kv = rope
+        n, hd = x.shape[0], 2 * cos.shape[1]
+        q, k, v = (np.empty((n, heads, hd), np.float32) for heads in (n_heads, n_kv, n_kv))
+        rope_qkv_ref(x @ dequantize(raw, qtype).T, cos, sin, q, k, v)
+        y[...] = np.concatenate([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], axis=1)
     else:
         y[...] = x @ dequantize(raw, qtype).T
 
@@ -269,16 +279,31 @@ def y_store(y, r, o, total):
 @cuda.jit(device=True)
 def y_add(y, r, o, total):
     y[r, o] += total  # the residual add: one rounding for the dot, one for the sum
+
+
+@cuda.jit(device=True)
+def y_rope_pair(y, r, o, t0, t1, cos, sin, rope_rows, hd):
+    """Outputs o and o + 1 (o even) of q|k|v: rotated as a RoPE pair when they are q or k
+    (o < rope_rows), stored as they are when v. rope_qkv_kernel's products, in its order;
+    hd is a power of two, so the pair index is a mask and a shift, not a division."""
+    if o < rope_rows:
+        pair = (o & (hd - 1)) >> 1
+        c, s = cos[r, pair], sin[r, pair]
+        y[r, o] = mul_rn(t0, c) - mul_rn(t1, s)
+        y[r, o + 1] = mul_rn(t0, s) + mul_rn(t1, c)
+    else:
+        y[r, o], y[r, o + 1] = t0, t1
 # --8<-- [end:matvec_prologues]
 
 
 # --8<-- [start:matvec_kernel]
-def make_matvec_kernel(part, nibbles, load_x, store_y, normed, x_rows, rows):
+def make_matvec_kernel(part, nibbles, load_x, store_y, normed, x_rows, rows, rope=False):
     """The kernel for one weight type (its dequantizer), one prologue and one epilogue,
     for up to x_rows rows of x (1: a decode step; MAX_ROWS: a verify window), `rows` rows
     of W per thread block. The sizes are compile-time constants so the per-thread arrays
     stay in registers: a 1-row step's kernel holds 4 sums, not 32, and fits more warps on
-    an SM to hide the memory's latency."""
+    an SM to hide the memory's latency. With `rope` the epilogue is y_rope_pair: one
+    thread stores each pair of outputs (rows is even, so a pair never straddles blocks)."""
 
     @cuda.jit
     def matvec_kernel(x,     # (n, in) float32, n <= 8; (n, 2 in) gated
@@ -287,7 +312,11 @@ def make_matvec_kernel(part, nibbles, load_x, store_y, normed, x_rows, rows):
                       n_in,  # int32: the length of a row of W
                       a,     # (out, *) view a of W's rows (QTYPES)
                       b,     # (out, *) view b of the same bytes
-                      y):    # (n, out) float32, written (or added to)
+                      y,     # (n, out) float32, written (or added to)
+                      cos,   # (n, hd/2) float32 with rope (each row's angles), else unused
+                      sin,   # (n, hd/2) float32 with rope, else unused
+                      rope_rows,  # int32 with rope: outputs before the v heads, rotated
+                      hd):   # int32 with rope: head_dim, a power of two
         # A thread block takes `rows` rows of W at a time; its threads split the rows' parts
         # between them (thread t: parts t, t + threads, ...), so each has one or two parts
         # per row to load and the loads of all its rows are in flight together.
@@ -350,18 +379,34 @@ def make_matvec_kernel(part, nibbles, load_x, store_y, normed, x_rows, rows):
                     if r < n:  # n is the same for every thread, so the reduction stays collective
                         total = warp_sum(acc[k, r])
                         if n_threads == WARP:
-                            if lane == 0 and o0 + k < n_out:
+                            if rope:
+                                acc[k, r] = total  # stored in pairs below
+                            elif lane == 0 and o0 + k < n_out:
                                 store_y(y, r, o0 + k, total)
                         elif lane == 0:
                             per_warp[warp, k, r] = total
+            if rope and n_threads == WARP and lane == 0:
+                for k in range(0, rows, 2):
+                    for r in range(x_rows):
+                        if r < n and o0 + k < n_out:
+                            y_rope_pair(y, r, o0 + k, acc[k, r], acc[k + 1, r], cos, sin, rope_rows, hd)
             if n_threads > WARP:  # the same for every thread: the barriers stay collective
                 cuda.syncthreads()
-                k, r = t // x_rows, t % x_rows  # thread t stores output (row k of W, row r of x)
-                if k < rows and r < n and o0 + k < n_out:
-                    total = float32(0.0)
-                    for v in range(n_threads // WARP):
-                        total += per_warp[v, k, r]
-                    store_y(y, r, o0 + k, total)
+                if rope:  # thread t stores outputs (rows k and k + 1 of W, row r of x)
+                    k, r = 2 * (t // x_rows), t % x_rows
+                    if k < rows and r < n and o0 + k < n_out:
+                        t0, t1 = float32(0.0), float32(0.0)
+                        for v in range(n_threads // WARP):
+                            t0 += per_warp[v, k, r]
+                            t1 += per_warp[v, k + 1, r]
+                        y_rope_pair(y, r, o0 + k, t0, t1, cos, sin, rope_rows, hd)
+                else:
+                    k, r = t // x_rows, t % x_rows  # thread t stores output (row k of W, row r of x)
+                    if k < rows and r < n and o0 + k < n_out:
+                        total = float32(0.0)
+                        for v in range(n_threads // WARP):
+                            total += per_warp[v, k, r]
+                        store_y(y, r, o0 + k, total)
                 cuda.syncthreads()  # per_warp is read before the next trip writes it
             o0 += cuda.gridDim.x * rows
 
@@ -369,27 +414,29 @@ def make_matvec_kernel(part, nibbles, load_x, store_y, normed, x_rows, rows):
 
 
 PROLOGUES = {"plain": (x_plain, False), "normed": (x_normed, True), "gated": (x_gated, False)}
-EPILOGUES = {"store": y_store, "add": y_add}
+EPILOGUES = {"store": (y_store, False), "add": (y_add, False), "rope": (y_store, True)}
 
 
 def matvec_kernels(rows: int) -> dict:
     """Every (qtype, prologue, epilogue, rows of x) kernel at `rows` rows of W per block;
     Numba compiles each one the first time it is launched."""
-    return {(qtype, pro, epi, x_rows): make_matvec_kernel(part, nibbles, load_x, EPILOGUES[epi], normed, x_rows, rows)
+    return {(qtype, pro, epi, x_rows): make_matvec_kernel(part, nibbles, load_x, store_y, normed, x_rows, rows, rope)
             for qtype, (part, _, _, nibbles) in QTYPES.items()
-            for pro, (load_x, normed) in PROLOGUES.items() for epi in EPILOGUES for x_rows in (1, MAX_ROWS)}
+            for pro, (load_x, normed) in PROLOGUES.items()
+            for epi, (store_y, rope) in EPILOGUES.items() for x_rows in (1, MAX_ROWS)}
 
 
 MATVEC_KERNELS = matvec_kernels(ROWS)
 # --8<-- [end:matvec_kernel]
 
 
-def matvec(x, raw, qtype, y, norm=None, eps=0.0, swiglu=False, add=False, warps: int | None = None):
+def matvec(x, raw, qtype, y, norm=None, eps=0.0, swiglu=False, add=False, rope=None, warps: int | None = None):
     """Like matvec_ref, on the device, for 1..8 rows of x. NumPy arguments are moved (y is
     written back); device arguments are used in place. warps: per thread block (default:
     one part of each row per thread, at most MAX_WARPS; tests set it under the simulator)."""
     expect("x", x, np.float32, (None, None))
     assert norm is None or not swiglu, "one prologue at a time: norm or swiglu"
+    assert rope is None or not add, "one epilogue at a time: add or rope"
     n = x.shape[0]
     n_in = x.shape[1] // 2 if swiglu else x.shape[1]
     assert not swiglu or x.shape[1] == 2 * n_in, f"gate|up rows have an even length, not {x.shape[1]}"
@@ -399,6 +446,14 @@ def matvec(x, raw, qtype, y, norm=None, eps=0.0, swiglu=False, add=False, warps:
     expect("y", y, np.float32, (n, n_out))
     if norm is not None:
         expect("norm", norm, np.float32, (n_in,))
+    if rope is not None:
+        cos, sin, n_heads, n_kv = rope
+        expect("cos", cos, np.float32, (n, None))
+        hd = 2 * cos.shape[1]
+        expect("sin", sin, np.float32, (n, hd // 2))
+        assert hd & (hd - 1) == 0, f"head_dim {hd} is not a power of two: the rope epilogue masks by it"
+        assert n_out == (n_heads + 2 * n_kv) * hd, f"{n_out} outputs are not q|k|v of {n_heads}+{n_kv}+{n_kv} heads of {hd}"
+        assert ROWS % 2 == 0, f"the rope epilogue stores pairs of rows: ROWS = {ROWS} is odd"
     if n == 0 or n_out == 0:
         return
     prologue = "normed" if norm is not None else ("gated" if swiglu else "plain")
@@ -407,10 +462,16 @@ def matvec(x, raw, qtype, y, norm=None, eps=0.0, swiglu=False, add=False, warps:
     assert 1 <= warps <= SUM_WARPS, f"{warps} warps per block; the kernel sums at most {SUM_WARPS}"
     x_rows = 1 if n == 1 else MAX_ROWS
     assert ROWS * x_rows <= warps * WARP, "a thread per output stores the sums"
+    epilogue = "add" if add else ("rope" if rope is not None else "store")
     with DeviceArgs() as dev:
         a, b = weight_views(dev.read(raw), qtype)
         x = dev.read(x)
         norm = x if norm is None else dev.read(norm)  # unread unless normed: any float32 array
-        kernel = MATVEC_KERNELS[qtype, prologue, "add" if add else "store", x_rows]
+        if rope is None:  # unread: any (n, *) float32 arrays
+            angles, rope_rows, hd = (x, x), 0, 0
+        else:
+            angles, rope_rows = (dev.read(cos), dev.read(sin)), (n_heads + n_kv) * hd
+        kernel = MATVEC_KERNELS[qtype, prologue, epilogue, x_rows]
         kernel[blocks, warps * WARP, stream()](
-            x, norm, np.float32(eps), np.int32(n_in), a, b, dev.write(y))  # y is read too, with add
+            x, norm, np.float32(eps), np.int32(n_in), a, b, dev.write(y),  # y is read too, with add
+            *angles, np.int32(rope_rows), np.int32(hd))
