@@ -14,7 +14,8 @@ and weights (the times depend on the shapes only):
   (as a replayed step lists every block), and 1,024 of a 68-block list, fp16 and k8v4;
 - `attention`: the prompt kernel and its combine, 256 queries ending at 8K and 2,048
   ending at 4K, fp16 and k8v4;
-- `matvec`: each fused matvec of a decode step (q|k|v, o, gate|up, down, the Q8_0 head).
+- `matvec`: each fused matvec of a decode step (q|k|v, o, gate|up, down, the Q8_0 head);
+- `argmax`: the greedy pick over the default model's 49,152 logits.
 
 Each version is loaded as its own module (`strata_nb.kernels.<name>_ab0`, `_ab1`), so
 its kernels compile apart and CUPTI names them as the product's.
@@ -139,7 +140,21 @@ def matvec_cases(versions: dict) -> None:
                      lambda m: m.matvec(x, w, qtype, y, **kw), result, 50)
 
 
-CASES = {"attention_step": attention_step_cases, "attention": attention_cases, "matvec": matvec_cases}
+def argmax_cases(versions: dict) -> None:
+    from numba import cuda
+
+    import kernel_bench as kb
+
+    logits = cuda.to_device(kb.rng.standard_normal((1, 49152)).astype(np.float32))
+    out = cuda.device_array(1, np.int32)
+
+    def run(module):
+        module.argmax(logits, out)
+    side_by_side("argmax of 49,152 logits (us)", versions, run, rerun_and_read(run, out), 50)
+
+
+CASES = {"attention_step": attention_step_cases, "attention": attention_cases, "matvec": matvec_cases,
+         "argmax": argmax_cases}
 
 
 def main(argv: list[str]) -> int:

@@ -12,7 +12,7 @@ from numba import cuda
 
 from conftest import ON_GPU
 from strata_nb.backend.numpy_backend import NumpyBackend
-from strata_nb.kernels.argmax import THREADS as ARGMAX_THREADS, argmax, argmax_ref
+from strata_nb.kernels.argmax import SPAN as ARGMAX_SPAN, THREADS as ARGMAX_THREADS, argmax, argmax_ref
 from strata_nb.kernels.embed import embed, embed_ref
 from strata_nb.kernels.matmul import matmul, matmul_ref
 from strata_nb.kernels.matvec import dot_tolerance, fused_tolerance, matvec, matvec_ref
@@ -279,18 +279,22 @@ def test_embed_bit_for_bit(qtype):
 
 
 def test_argmax_first_index_on_ties():
+    """Ties within a thread's share, across threads and across chunks (thread blocks):
+    the first index, as np.argmax."""
     rng = np.random.default_rng(6)
-    vocab = 49152 if ON_GPU else 300
-    logits = rng.standard_normal((4, vocab)).astype(np.float32)
-    logits[0, [270, 17, 17 + ARGMAX_THREADS]] = 50.0  # a three-way tie, two in one thread's share
+    vocab = 49152 if ON_GPU else 3 * ARGMAX_SPAN - 100  # three chunks under the simulator, the last partial
+    logits = rng.standard_normal((5, vocab)).astype(np.float32)
+    logits[0, [270, 17, 17 + ARGMAX_THREADS, ARGMAX_SPAN + 5]] = 50.0  # a four-way tie, two in one share
     logits[1, :] = -np.inf  # nothing finite: index 0, as np.argmax
     logits[2, vocab - 1] = 60.0  # the last index
     logits[3, [ARGMAX_THREADS + 1, 2]] = 70.0  # the later index in the earlier thread (1 before 2)
-    want, got = np.zeros(4, np.int32), np.full(4, -1, np.int32)
+    logits[4, [2 * ARGMAX_SPAN + 3, ARGMAX_SPAN + 3]] = 80.0  # the same thread of two chunks: the earlier chunk
+    want, got = np.zeros(5, np.int32), np.full(5, -1, np.int32)
     argmax_ref(logits, want)
-    argmax(logits, got)
-    assert list(want) == [17, 0, vocab - 1, 2]
-    assert got.tobytes() == want.tobytes()
+    for _ in range(2):  # the second launch finds its tickets back at 0
+        argmax(logits, got)
+        assert list(want) == [17, 0, vocab - 1, 2, ARGMAX_SPAN + 3]
+        assert got.tobytes() == want.tobytes()
 
 
 def test_numpy_backend_matmul_is_the_ref():

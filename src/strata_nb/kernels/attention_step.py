@@ -63,12 +63,16 @@ MAX_SPLIT_CELLS = MAX_SPLIT_BLOCKS * BLOCK
 # After the scores the K tile holds the merge's split weights: G * n_splits of them.
 K_TILE_VALUES = 64 * 65
 V_TILE_VALUES = 64 * 64
-# A split of 4 blocks (64 cells) for 128 threads: two threads per cell, each scoring half
-# of D for all G heads; 8K context is 128 splits x 3 KV heads = 384 thread blocks, one
-# wave on 132 SMs. Under the simulator every thread is a Python thread: one warp there.
+# A split of 4 blocks (64 cells) for 256 threads: four threads per cell, each scoring a
+# quarter of D for all G heads; 8K context is 128 splits x 3 KV heads = 384 thread
+# blocks on 132 SMs. 256 threads, not 128, cut each stage's chain of work per thread:
+# 12.2 us against 14.5 at 1,024 cells, 22.8 against 23.6 at 8,192 (fp16, H200,
+# tools/kernel_ab.py). Under the simulator every thread is a Python thread: one warp there.
 STEP_BLOCKS_PER_SPLIT = 4
-STEP_THREADS = WARP if config.ENABLE_CUDASIM else 128
-SCORE_VALUES = MAX_GROUP * 128  # (part, head, cell) partial scores: parts * cells <= 128
+STEP_THREADS = WARP if config.ENABLE_CUDASIM else 256
+# The (part, head, cell) partial scores, and after them the (lane, head, dim) V sums: at
+# most this many, so score_parts and split_lanes use fewer threads for a large G or D.
+SCORE_VALUES = MAX_GROUP * 128
 # Splits a merging thread loads before it adds them, so the loads are in flight together.
 # The simulator pads to 2, not 8: every padded split is 32 more Python threads there.
 MERGE_UNROLL = 2 if config.ENABLE_CUDASIM else 8
@@ -85,25 +89,29 @@ def record_width(head_dim: int) -> int:
     return -(-(head_dim + 2) // RECORD_PAD) * RECORD_PAD
 
 
-def score_parts(cells: int, head_dim: int, n_threads: int = STEP_THREADS) -> int:
+def score_parts(cells: int, head_dim: int, group: int, n_threads: int = STEP_THREADS) -> int:
     """Threads per cell in the scores: as many as the block has for the split's cells, a
-    power of two dividing head_dim."""
+    power of two dividing head_dim, while the partial scores fit SCORE_VALUES."""
     parts = 1
-    while parts * 2 * cells <= n_threads and head_dim % (parts * 2) == 0:
+    while (parts * 2 * cells <= n_threads and head_dim % (parts * 2) == 0
+           and parts * 2 * cells * group <= SCORE_VALUES):
         parts *= 2
     return parts
 
 
-def split_lanes(head_dim: int, n_threads: int = STEP_THREADS) -> int:
+def split_lanes(head_dim: int, group: int, n_threads: int = STEP_THREADS) -> int:
     """Threads per output dim in the V sums and the merge (each takes every lanes-th cell
-    or split): 2 for 128 threads and D = 64."""
-    return max(1, n_threads // head_dim)
+    or split): 4 for 256 threads and D = 64, while the lanes' sums fit SCORE_VALUES."""
+    lanes = max(1, n_threads // head_dim)
+    while lanes > 1 and lanes * group * head_dim > SCORE_VALUES:
+        lanes //= 2
+    return lanes
 
 
-def padded_splits(n_columns: int, per_split: int, head_dim: int) -> int:
+def padded_splits(n_columns: int, per_split: int, head_dim: int, group: int) -> int:
     """Splits for n_columns selected blocks, rounded up so each merging thread's share is
     whole rounds of MERGE_UNROLL (the extra splits see nothing: weight 0)."""
-    unit = split_lanes(head_dim) * MERGE_UNROLL
+    unit = split_lanes(head_dim, group) * MERGE_UNROLL
     return -(-max(1, -(-n_columns // per_split)) // unit) * unit
 
 
@@ -115,11 +123,11 @@ def make_attention_step_kernel(read_k, read_v, G, D, per_split):
     thread's G sums live in registers, and every index is divided by a constant. (Numba
     does integer arithmetic in 64 bits; a division by a value known only at run time,
     a loop's trip count over a runtime stride included, is a long software routine.)"""
-    LANES = split_lanes(D)
+    LANES = split_lanes(D, G)
     N_THREADS = STEP_THREADS
     N_WARPS = N_THREADS // WARP
     CELLS = per_split * BLOCK
-    PARTS = score_parts(CELLS, D)
+    PARTS = score_parts(CELLS, D, G)
     SPAN = D // PARTS  # terms of a score's dot each of its PARTS threads adds
 
     @cuda.jit
@@ -368,7 +376,7 @@ def attention_step(fmt, n_kv, args, sides, out, rotate_out: bool, per_split: int
         f"per_split {per_split} is not one of {SPLIT_CHOICES} up to {fits} (the shared tiles)"
     assert group <= MAX_GROUP and head_dim in HEAD_DIMS, \
         f"no step kernel for {group} query heads per KV head of {head_dim} (built: <= {MAX_GROUP}, {HEAD_DIMS})"
-    n_splits = padded_splits(blocks.shape[1], per_split, head_dim)
+    n_splits = padded_splits(blocks.shape[1], per_split, head_dim, group)
     assert group * n_splits <= K_TILE_VALUES, f"{n_splits} splits: raise per_split for the merge's weights"
     records = device_empty((n_q, n_kv, n_splits, group, record_width(head_dim)), np.float32)
     STEP_KERNELS[fmt, group, head_dim, per_split][(n_q, n_kv, n_splits), STEP_THREADS, stream()](
