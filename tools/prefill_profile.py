@@ -2,7 +2,6 @@
 the host's Python time, on random weights of the default model's shapes (k8v4 cache).
 
     python tools/prefill_profile.py [chunk]     # on a GPU; chunk defaults to the backend's 2,048
-    STRATA_NB_MEMORY_POOL=1 python tools/prefill_profile.py   # with the caching allocator
 
 Prints prefill tok/s for 1,024- and 4,096-token prompts (median of 3), then for the 1,024-token prompt
 the GPU time of each kernel, and cProfile's top 25 host functions. Wall time far above
@@ -19,7 +18,6 @@ from numba import cuda
 
 from strata_nb.bench.profile import kernel_times
 from strata_nb.engine.engine import Engine
-from strata_nb.kernels.device_memory import pool_in_use
 from strata_nb.model.synthetic import write_default_shapes_gguf
 
 
@@ -29,7 +27,6 @@ def main(chunk: int | None = None):
     ids = [int(i) for i in np.random.default_rng(0).integers(0, 49152, 4096)]
     base.prefill(ids[:2 * base.settings.prefill_chunk])  # compile every kernel first
     cuda.synchronize()
-    print(f"device arrays from the caching allocator: {pool_in_use()} (STRATA_NB_MEMORY_POOL=1 turns it on)")
     for n in (1024, 4096):
         rates = []
         for _ in range(3):

@@ -15,13 +15,7 @@ from contextlib import contextmanager
 import numpy as np
 from numba import config, cuda, int32
 
-from strata_nb.kernels import device_memory
 from strata_nb.kv.formats import BLOCK, PoolArray
-
-# With STRATA_NB_MEMORY_POOL=1 device arrays come from a caching allocator
-# (device_memory.py, off by default), installed before any CUDA context exists: every
-# kernel module imports this one first.
-device_memory.install()
 
 THREADS = 128  # threads per block for the lane-per-thread kernels: a multiple of the warp
 # A decode step's kernels are small by nature (one token, 3 KV heads): Numba's warning
