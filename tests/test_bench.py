@@ -41,6 +41,29 @@ def test_bench_writes_json_table_and_checks_every_row(tiny_model, tmp_path, caps
     assert "| configuration | depth |" in md and "strata-nb bench --model" in md and "ok: " in md
 
 
+def test_a_run_cut_short_keeps_its_measured_rows(tiny_model, tmp_path, capsys, monkeypatch):
+    """bench.partial.json holds the rows measured so far, unchecked, and is gone after a
+    run that finishes; a run that dies in its second configuration leaves the first row."""
+    import strata_nb.bench.run as bench_run
+
+    assert run_cli(bench_argv(tiny_model, tmp_path, "--depths", "40", "--formats", "fp16", "--streamed-formats", "",
+                              "--check-tokens", "0"), capsys)[0] == 0
+    assert (tmp_path / "bench.json").exists() and not (tmp_path / "bench.partial.json").exists()
+    measure = bench_run.run_config
+
+    def second_dies(base, cfg, *args):
+        if cfg.fmt == "int8":
+            raise RuntimeError("stopped")  # as a run cut short by its time limit
+        return measure(base, cfg, *args)
+    monkeypatch.setattr(bench_run, "run_config", second_dies)
+    with pytest.raises(RuntimeError, match="stopped"):
+        main(bench_argv(tiny_model, tmp_path / "cut", "--depths", "40", "--formats", "fp16,int8",
+                        "--streamed-formats", "", "--check-tokens", "0"))
+    partial = json.loads((tmp_path / "cut" / "bench.partial.json").read_text())
+    assert [r["fmt"] for r in partial["rows"]] == ["fp16"] and partial["rows"][0]["decode_tok_s"] > 0
+    assert partial["command"].startswith("strata-nb bench") and not (tmp_path / "cut" / "bench.json").exists()
+
+
 def test_append_adds_rows(tiny_model, tmp_path, capsys):
     assert run_cli(bench_argv(tiny_model, tmp_path, "--depths", "40", "--formats", "fp16", "--streamed-formats", ""), capsys)[0] == 0
     assert run_cli(bench_argv(tiny_model, tmp_path, "--depths", "40", "--formats", "int8", "--streamed-formats", "",

@@ -243,16 +243,24 @@ def bench(model, formats, streamed_formats, depths, runs, decode_tokens, check_t
         raise StrataError("--runs and --decode-tokens must be >= 1, --check-tokens >= 0")
     eng = load_engine(model=model, device=device, graph=graph, max_context=max_context)
     text = resources.files("strata_nb.data").joinpath("default_document.txt").read_text()
+    about = {"model": eng.config.name or str(eng.model.path), "device": _device_name(eng.be),
+             "command": "strata-nb " + shlex.join(_ARGV)}
+    partial = Path(out) / "bench.partial.json"  # this run's rows so far: what a cut-short run leaves
+    Path(out).mkdir(parents=True, exist_ok=True)
+
+    def progress(result):
+        partial.write_text(json.dumps(result | about, indent=1))
+
     result = run_bench(eng, text, fmts, streamed, depth_list, runs, decode_tokens, check_tokens, peer, profile,
-                       lambda m: click.echo(m, err=True))
-    result |= {"model": eng.config.name or str(eng.model.path), "device": _device_name(eng.be),
-               "command": "strata-nb " + shlex.join(_ARGV)}
+                       lambda m: click.echo(m, err=True), progress)
+    result |= about
     if earlier is not None:
         result = earlier | {k: v for k, v in result.items() if k not in ("rows", "peer", "command")} | {
             "rows": earlier["rows"] + result["rows"], "peer": earlier.get("peer", []) + result["peer"],
             "command": earlier["command"] + "; then: " + result["command"]}
     for path in write(result, Path(out)):
         click.echo(str(path))
+    partial.unlink(missing_ok=True)
 
 
 def _formats(text: str, flag: str, allow_empty: bool = False) -> list[str]:

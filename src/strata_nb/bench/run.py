@@ -149,9 +149,12 @@ def copy_bandwidth(be, n_bytes: int = 1 << 30, runs: int = 5) -> float | None:
 
 # --8<-- [start:bench]
 def bench(base, text: str, formats: list[str], streamed_formats: list[str], depths: list[int], runs: int,
-          n_decode: int, check_n: int, peer: bool, profile: bool, log) -> dict:
+          n_decode: int, check_n: int, peer: bool, profile: bool, log, progress=None) -> dict:
     """Every configuration, the output check, the peer and the profile, as one dict.
-    check_n: how many of each configuration's first greedy tokens the numpy backend checks."""
+    check_n: how many of each configuration's first greedy tokens the numpy backend checks.
+    progress(result): called with the dict so far after each row, the peer and the
+    profile (rows not yet checked have no "check"), so a run cut short keeps its rows."""
+    progress = progress or (lambda result: None)
     from dataclasses import asdict
 
     from . import check as checking
@@ -185,8 +188,10 @@ def bench(base, text: str, formats: list[str], streamed_formats: list[str], dept
                                           cfg.settings(base.settings.kv_window),
                                           prompt, row.tokens[:check_n], layer0))
             result["rows"].append(row.__dict__)
+            progress(result)
     if peer:
         result["peer"] = peers.peer_rows(base.config, measured_depths, runs, n_decode, log)
+        progress(result)
     if profile and base.be.name == "cuda":  # one resident step and, with streamed rows, one streamed step
         depth = measured_depths[-1] - 4 * STEPS  # room for the profiled steps
         def profiled_format(fmts):  # k8v4 where benched
@@ -201,6 +206,7 @@ def bench(base, text: str, formats: list[str], streamed_formats: list[str], dept
                     "config": f"{cfg.fmt} {cfg.mode} at {depth}"}
         except ImportError:
             log("profile: torch is not importable; no per-kernel breakdown")
+        progress(result)
     for row, future in zip(result["rows"], checks):
         row["check"] = future.result()
         log(f"check {row['fmt']} {row['mode']} at {row['depth']}: {row['check']}")
