@@ -37,6 +37,10 @@ def test_advance_step_kernel_equals_ref():
         token, pos, chosen = (np.array([v], np.int32) for v in (41, 7, 0))
         impl(token, pos, chosen)
         assert (int(token[0]), int(pos[0]), int(chosen[0])) == (41, 8, 41), impl.__name__
+        ring = np.zeros(4, np.int32)  # the pick ring run_ahead uses: position 8 -> slot 0, 9 -> slot 1
+        for _ in range(2):
+            impl(token, pos, ring)
+        assert list(ring) == [41, 41, 0, 0] and int(pos[0]) == 10, impl.__name__
 
 
 @pytest.mark.parametrize("kv", ["fp16", "k8v4"])

@@ -154,11 +154,12 @@ def bench(base, text: str, formats: list[str], streamed_formats: list[str], dept
     check_n: how many of each configuration's first greedy tokens the numpy backend checks.
     progress(result): called with the dict so far after each row, the peer and the
     profile (rows not yet checked have no "check"), so a run cut short keeps its rows."""
-    progress = progress or (lambda result: None)
     from dataclasses import asdict
 
     from . import check as checking
     from . import peer as peers
+
+    progress = progress or (lambda result: None)
 
     ctx = base.settings.max_context
     if min(depths) + n_decode + WARMUP + 1 > ctx:
