@@ -28,11 +28,16 @@ ceiling). Arithmetic is cheap next to that, so the kernel is shaped around the r
 x itself is read through the cache: every block of the grid reads the same few KiB.
 
 Fused in (the forward pass's `normed_matmul`, `gated_matmul_add_`, `matmul_add_`): a
-*prologue* decides what the kernel multiplies, x itself, rmsnorm(x) (each thread block
-works out the row's norm once, with `block_sum`) or swiglu(gate|up); an *epilogue*
-stores y, adds to it (the residual), or stores q|k|v with RoPE applied to its q and k
-heads (`normed_matmul_rope`, one row of x). A decode step launches 121 matvecs and no
-separate norm, RoPE, gate or add.
+*prologue* decides what the kernel multiplies, x itself, rmsnorm(x) or swiglu(gate|up);
+an *epilogue* stores y, adds to it (the residual), or stores q|k|v with RoPE applied to
+its q and k heads (`normed_matmul_rope`, one row of x). A decode step launches 121
+matvecs and no separate norm, RoPE, gate or add.
+
+The norm is applied last. rmsnorm(x) W = (1 / rms(x)) ((x * norm) W), so a normed kernel
+multiplies x * norm, sums the squares of x from the values its first trip loads anyway
+(its threads read every column of x once), reduces them with the products, and
+multiplies each output's sum by 1 / rms. Working out the norm first (a block-wide sum of
+x, two barriers) would hold back every weight load behind it.
 
 Measured on an H200 (one decode step's matvecs, the default model's shapes; CUPTI, median
 of 50 launches; `tools/kernel_bench.py`): q|k|v with its norm 4.6 us, o with the add
@@ -65,6 +70,9 @@ weight of average size, 1 / (2 u in^2) times (3.5x at in = 1536).
 A fused prologue computes the activations itself, so they may differ from
 rmsnorm_ref's or swiglu_ref's by those kernels' own tolerances ((in + 8) u and 16 u,
 relatively); through the product that adds rtol * sum_i |x_i| |w_i| (`fused_tolerance`).
+The normed kernel's 1 / rms has rmsnorm's error, and scaling the sum rounds once more
+(u |y|, with |y| <= sum_i |x_i| |w_i|), against the one rounding of x * inv it saves per
+value: within the same bound.
 A fused add rounds once more on each side: 2 u |y| more.
 """
 from __future__ import annotations
@@ -72,11 +80,11 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import config, cuda, float32
+from numba import config, cuda, float32, int64
 
 from strata_nb.kernels.launch import DeviceArgs, expect, stream
 from strata_nb.kernels.quant_q4_0 import mul_rn
-from strata_nb.kernels.reduce import WARP, block_sum, warp_sum
+from strata_nb.kernels.reduce import WARP, warp_sum
 from strata_nb.kernels.rmsnorm import rmsnorm_ref
 from strata_nb.kernels.rope import rope_qkv_ref
 from strata_nb.kernels.swiglu import swiglu_ref
@@ -192,17 +200,16 @@ def part_q4_1(a,    # (in/32 * 5,) uint32: one row; block blk = (d, m), then 4 w
 
 
 @cuda.jit(device=True)
-def part_q8_0(a,    # (in/32 * 17,) uint16: one row; block blk = d, then 16 halves of int8 codes
+def part_q8_0(a,    # (in/32 * 17,) int16: one row; block blk = d, then 16 pairs of int8 codes
               b,    # (in/32 * 17,) float16: the same bytes
               blk, p, w):
     d = float32(b[17 * blk])
     for h in range(4):
-        pair = a[17 * blk + 1 + 4 * p + h]  # code bytes 8p + 2h and 8p + 2h + 1
-        for i in range(2):
-            code = int((pair >> (8 * i)) & 0xFF)  # a signed int: uint16 arithmetic would wrap
-            if code >= 128:  # the byte is a two's-complement int8
-                code -= 256
-            w[2 * h + i] = float32(code) * d
+        # code bytes 8p + 2h (the low byte) and 8p + 2h + 1 (the high byte) as one signed
+        # 16-bit pair: shifts bring out each int8 with its sign, with no compare
+        pair = int64(a[17 * blk + 1 + 4 * p + h])
+        w[2 * h] = float32((pair << 56) >> 56) * d
+        w[2 * h + 1] = float32(pair >> 8) * d
 
 
 @cuda.jit(device=True)
@@ -225,7 +232,7 @@ def part_f32(a,    # (in,) float32: one row
 QTYPES = {
     "Q4_0": (part_q4_0, np.uint16, np.float16, True),
     "Q4_1": (part_q4_1, np.uint32, np.float16, True),
-    "Q8_0": (part_q8_0, np.uint16, np.float16, False),
+    "Q8_0": (part_q8_0, np.int16, np.float16, False),
     "F16": (part_f16, np.float16, np.float16, False),
     "F32": (part_f32, np.float32, np.float32, False),
 }
@@ -254,7 +261,8 @@ def weight_views(raw, qtype: str):
 
 # --8<-- [start:matvec_prologues]
 # What the kernel multiplies by W, value x[r, col] of the row it reads: all take
-# (x, norm, inv, r, col, n_in). `inv` holds 1 / rms of each row of x (NORM only).
+# (x, norm, inv, r, col, n_in). `inv` is unused: a normed kernel multiplies x * norm and
+# applies 1 / rms to each output's sum (rmsnorm(x) W = (1 / rms) (x * norm) W).
 @cuda.jit(device=True)
 def x_plain(x, norm, inv, r, col, n_in):
     return x[r, col]
@@ -262,7 +270,7 @@ def x_plain(x, norm, inv, r, col, n_in):
 
 @cuda.jit(device=True)
 def x_normed(x, norm, inv, r, col, n_in):
-    return x[r, col] * inv[r] * norm[col]  # rmsnorm_kernel's products, in its order
+    return x[r, col] * norm[col]  # times 1 / rms, which the kernel applies to the sum
 
 
 @cuda.jit(device=True)
@@ -327,17 +335,16 @@ def make_matvec_kernel(part, nibbles, load_x, store_y, normed, x_rows, rows, rop
         w = cuda.local.array((rows, PART), float32)  # one part of each of the block's rows
         xs = cuda.local.array(PART, float32)  # the 8 values of a row of x that part multiplies
         acc = cuda.local.array((rows, x_rows), float32)  # this thread's partial sums
-        inv = cuda.local.array(x_rows, float32)  # 1 / rms of each row of x
+        inv = cuda.local.array(x_rows, float32)  # 1 / rms of each row of x (normed)
+        squares = cuda.local.array(x_rows, float32)  # this thread's sum of x^2 (normed, first trip)
         per_warp = cuda.shared.array((SUM_WARPS, rows, x_rows), float32)  # each warp's sums
-        if normed:  # each thread block works out the rows' norms once: in values, from cache
-            for r in range(x_rows):
-                if r < n:
-                    squares = float32(0.0)
-                    j = t
-                    while j < n_in:  # not range(t, n_in, n_threads): see the trips below
-                        squares += x[r, j] * x[r, j]
-                        j += n_threads
-                    inv[r] = float32(1.0) / math.sqrt(block_sum(squares) / float32(n_in) + eps)
+        per_warp_squares = cuda.shared.array((SUM_WARPS, x_rows), float32)
+        # Normed: the rows' norms come from the x values the first trip loads anyway (its
+        # threads read every column once), summed with the products: the weights' loads
+        # go out first, not after a block-wide reduction of x.
+        for r in range(x_rows):
+            squares[r] = float32(0.0)
+        first_trip = True
         # Grid-stride over the rows of W, `rows` at a time: every thread of the block makes
         # the same trips, so each trip's reductions are reached by all of them. The strided
         # loops are while loops: `range(a, b, step)` with a step known only at run time
@@ -364,6 +371,10 @@ def make_matvec_kernel(part, nibbles, load_x, store_y, normed, x_rows, rows, rop
                         for j in range(4):  # 8 values of x, each used for `rows` weights
                             xs[j] = load_x(x, norm, inv, r, lo + j, n_in)
                             xs[4 + j] = load_x(x, norm, inv, r, hi + j, n_in)
+                        if normed and first_trip:
+                            for j in range(4):
+                                squares[r] += x[r, lo + j] * x[r, lo + j]
+                                squares[r] += x[r, hi + j] * x[r, hi + j]
                         for k in range(rows):
                             total = acc[k, r]
                             for j in range(PART):
@@ -373,11 +384,21 @@ def make_matvec_kernel(part, nibbles, load_x, store_y, normed, x_rows, rows, rop
             # Sum the threads' partial sums: within each warp by shuffles, then the warps'
             # sums in warp order, so the result never depends on timing. A one-warp block
             # (a short row; every block under the simulator) stores its sums directly: no
-            # barrier, which the simulator pays for dearly.
+            # barrier, which the simulator pays for dearly. The squares go the same way.
+            if normed and first_trip:
+                for r in range(x_rows):
+                    if r < n:
+                        total = warp_sum(squares[r])
+                        if n_threads == WARP:
+                            inv[r] = float32(1.0) / math.sqrt(total / float32(n_in) + eps)
+                        elif lane == 0:
+                            per_warp_squares[warp, r] = total
             for k in range(rows):
                 for r in range(x_rows):
                     if r < n:  # n is the same for every thread, so the reduction stays collective
                         total = warp_sum(acc[k, r])
+                        if normed and n_threads == WARP:
+                            total *= inv[r]
                         if n_threads == WARP:
                             if rope:
                                 acc[k, r] = total  # stored in pairs below
@@ -392,6 +413,13 @@ def make_matvec_kernel(part, nibbles, load_x, store_y, normed, x_rows, rows, rop
                             y_rope_pair(y, r, o0 + k, acc[k, r], acc[k + 1, r], cos, sin, rope_rows, hd)
             if n_threads > WARP:  # the same for every thread: the barriers stay collective
                 cuda.syncthreads()
+                if normed and first_trip:  # every thread: the warps' squares in warp order
+                    for r in range(x_rows):
+                        if r < n:
+                            total = float32(0.0)
+                            for v in range(n_threads // WARP):
+                                total += per_warp_squares[v, r]
+                            inv[r] = float32(1.0) / math.sqrt(total / float32(n_in) + eps)
                 if rope:  # thread t stores outputs (rows k and k + 1 of W, row r of x)
                     k, r = 2 * (t // x_rows), t % x_rows
                     if k < rows and r < n and o0 + k < n_out:
@@ -399,6 +427,8 @@ def make_matvec_kernel(part, nibbles, load_x, store_y, normed, x_rows, rows, rop
                         for v in range(n_threads // WARP):
                             t0 += per_warp[v, k, r]
                             t1 += per_warp[v, k + 1, r]
+                        if normed:
+                            t0, t1 = t0 * inv[r], t1 * inv[r]
                         y_rope_pair(y, r, o0 + k, t0, t1, cos, sin, rope_rows, hd)
                 else:
                     k, r = t // x_rows, t % x_rows  # thread t stores output (row k of W, row r of x)
@@ -406,9 +436,12 @@ def make_matvec_kernel(part, nibbles, load_x, store_y, normed, x_rows, rows, rop
                         total = float32(0.0)
                         for v in range(n_threads // WARP):
                             total += per_warp[v, k, r]
+                        if normed:
+                            total *= inv[r]
                         store_y(y, r, o0 + k, total)
                 cuda.syncthreads()  # per_warp is read before the next trip writes it
             o0 += cuda.gridDim.x * rows
+            first_trip = False
 
     return matvec_kernel
 
