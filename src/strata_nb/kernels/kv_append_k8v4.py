@@ -1,11 +1,18 @@
 """KV append for k8v4: K as int8, rotated V as q4_0, through the two single-format writers.
 
-k8v4 has no kernel of its own. Its K half goes through kv_append_q8 and its V half
+k8v4 has no quantizer of its own. Its K half goes through kv_append_q8 and its V half
 through kv_append_q4. Each of those writes a K side and a V side and tests the K-side
 host array for presence; a k8v4 half has only one side, so each half is passed FOLDED:
 both sides name the same arrays and the same input. The second side's lanes rewrite
 identical bytes (a little wasted work), and the K-side presence test sees the half's
 real host array.
+
+On the device the two halves are one launch (`kv_append_k8v4_kernel`): its first warps
+run kv_append_q8's warp body (`append_q8_warp`) on the K half's arguments, the rest
+kv_append_q4's (`append_q4_warp`) on the V half's, each checked by its own writer's
+launcher (`q8_launch`, `q4_launch`). The same arithmetic and the same writes as the two
+launches, one launch fewer a layer: each append kernel of a decode step is short, and
+about 3 us of it is the wait for its writes to the host copy across the bus.
 
 `fold_v_half=False` passes the V half the tempting way instead: the pool still folded,
 but the host copy given only as the V-side array. The K-side test then finds no host
@@ -22,9 +29,12 @@ Backend choice: `kv_append_k8v4_ref` (NumPy, the engine's numpy backend) and
 from __future__ import annotations
 
 import numpy as np
+from numba import cuda
 
-from strata_nb.kernels.kv_append_q4 import kv_append_q4, kv_append_q4_ref
-from strata_nb.kernels.kv_append_q8 import kv_append_q8, kv_append_q8_ref
+from strata_nb.kernels.kv_append_q4 import append_q4_warp, kv_append_q4_ref, q4_launch
+from strata_nb.kernels.kv_append_q8 import append_q8_warp, kv_append_q8_ref, q8_launch
+from strata_nb.kernels.launch import DeviceArgs, grid_for
+from strata_nb.kernels.reduce import WARP
 
 
 # --8<-- [start:append_halves]
@@ -58,7 +68,31 @@ def kv_append_k8v4_ref(k, v_rot, positions, page_table, pool, host, *, fold_v_ha
                   pool, host, fold_v_half)
 
 
+# --8<-- [start:kv_append_k8v4_kernel]
+@cuda.jit
+def kv_append_k8v4_kernel(q8_warps,  # int32: warps of the K half; the V half's come after them
+                          k8_k, k8_v, k8_pos, k8_table, k_q, k_s, k_q_v, k_s_v,  # append_q8_warp's arrays:
+                          k8_host_q, k8_host_s, k8_host_q_v, k8_host_s_v,        # the K half, folded
+                          v4_k, v4_v, v4_pos, v4_table, v_q4, v_d, v_q4_v, v_d_v,  # append_q4_warp's
+                          v4_host_q4, v4_host_d, v4_host_q4_v, v4_host_d_v):       # arrays: the V half
+    unit, lane = cuda.grid(1) // WARP, cuda.threadIdx.x % WARP  # a half's warps never straddle
+    if unit < q8_warps:
+        append_q8_warp(unit, lane, k8_k, k8_v, k8_pos, k8_table, k_q, k_s, k_q_v, k_s_v,
+                       k8_host_q, k8_host_s, k8_host_q_v, k8_host_s_v)
+    else:
+        append_q4_warp(unit - q8_warps, lane, v4_k, v4_v, v4_pos, v4_table, v_q4, v_d, v_q4_v, v_d_v,
+                       v4_host_q4, v4_host_d, v4_host_q4_v, v4_host_d_v)
+# --8<-- [end:kv_append_k8v4_kernel]
+
+
 def kv_append_k8v4(k, v_rot, positions, page_table, pool, host, *, fold_v_half=True):
-    """The k8v4 append with the kernels; pool and host are written in place."""
-    append_halves(kv_append_q8, kv_append_q4, k, v_rot, positions, page_table,
-                  pool, host, fold_v_half)
+    """The k8v4 append with the kernels, both halves in one launch; pool and host are
+    written in place."""
+    halves = {}
+    append_halves(lambda *a: halves.setdefault("q8", a), lambda *a: halves.setdefault("q4", a),
+                  k, v_rot, positions, page_table, pool, host, fold_v_half)
+    with DeviceArgs() as dev:
+        q8_lanes, q8_args = q8_launch(dev, *halves["q8"])
+        q4_lanes, q4_args = q4_launch(dev, *halves["q4"])
+        if q8_lanes:  # both halves have cells, or neither
+            kv_append_k8v4_kernel[grid_for(q8_lanes + q4_lanes)](np.int32(q8_lanes // WARP), *q8_args, *q4_args)

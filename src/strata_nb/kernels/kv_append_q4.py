@@ -46,13 +46,14 @@ def kv_append_q4_ref(k_new,       # (n, n_kv, head_dim) float32, rotated
 
 
 # --8<-- [start:kv_append_q4_kernel]
-@cuda.jit
-def kv_append_q4_kernel(k_new, v_new,   # (n, n_kv, head_dim) float32
-                        positions,      # (n,) int32
-                        page_table,     # (n_logical_blocks,) int32
-                        k_q4, k_d,      # (n_slots, n_kv, 16, head_dim // 32 * 18) uint8, and the
-                        v_q4, v_d,      #   same bytes as float16 (... * 9): d of block g at [9 * g]
-                        host_k_q4, host_k_d, host_v_q4, host_v_d):  # the same by logical block, or (0, ...)
+@cuda.jit(device=True)
+def append_q4_warp(unit, lane,      # this warp's index among the launch's q4 warps, its lane
+                   k_new, v_new,    # (n, n_kv, head_dim) float32
+                   positions,       # (n,) int32
+                   page_table,      # (n_logical_blocks,) int32
+                   k_q4, k_d,       # (n_slots, n_kv, 16, head_dim // 32 * 18) uint8, and the
+                   v_q4, v_d,       #   same bytes as float16 (... * 9): d of block g at [9 * g]
+                   host_k_q4, host_k_d, host_v_q4, host_v_d):  # the same by logical block, or (0, ...)
     # One warp per (side, cell, head, 32-value block): a block shares one d, found by the
     # warp together (quantize_q4_0_lane); lanes 0..15 write its 16 code bytes as one
     # contiguous run, which matters most for the host copy across the bus. K warps come
@@ -61,7 +62,6 @@ def kv_append_q4_kernel(k_new, v_new,   # (n, n_kv, head_dim) float32
     n, n_kv, head_dim = k_new.shape
     groups = head_dim // Q4_GROUP
     per_side = n * n_kv * groups
-    unit, lane = cuda.grid(1) // WARP, cuda.threadIdx.x % WARP
     writes = unit < 2 * per_side
     unit = min(unit, 2 * per_side - 1)
     side, rest = unit // per_side, unit % per_side
@@ -82,11 +82,19 @@ def kv_append_q4_kernel(k_new, v_new,   # (n, n_kv, head_dim) float32
             host_q4[block, h, cell, at] = byte
         if lane == 0:
             host_d[block, h, cell, g * D_STRIDE] = d
+
+
+@cuda.jit
+def kv_append_q4_kernel(k_new, v_new, positions, page_table, k_q4, k_d, v_q4, v_d,
+                        host_k_q4, host_k_d, host_v_q4, host_v_d):  # append_q4_warp's arrays
+    append_q4_warp(cuda.grid(1) // WARP, cuda.threadIdx.x % WARP, k_new, v_new, positions, page_table,
+                   k_q4, k_d, v_q4, v_d, host_k_q4, host_k_d, host_v_q4, host_v_d)
 # --8<-- [end:kv_append_q4_kernel]
 
 
-def kv_append_q4(k_new, v_new, positions, page_table, k_q4, v_q4, host_k_q4, host_v_q4):
-    """Like kv_append_q4_ref, on the device; NumPy arguments are moved and written back."""
+def q4_launch(dev, k_new, v_new, positions, page_table, k_q4, v_q4, host_k_q4, host_v_q4) -> tuple[int, tuple]:
+    """Check kv_append_q4's arguments; return its lanes (a warp per block, 0 = nothing to
+    write) and the kernel's arguments, moved by `dev` (a DeviceArgs)."""
     n, n_kv, head_dim = expect_window(k_new, v_new, positions, page_table)
     spec = {a.field: a for a in pool_arrays("q4_0", head_dim)}
     expect_pool("k_q4", k_q4, spec["k_q4"], n_kv)
@@ -96,12 +104,16 @@ def kv_append_q4(k_new, v_new, positions, page_table, k_q4, v_q4, host_k_q4, hos
     assert host_k_q4.shape[0] == 0 or host_v_q4.shape[0] > 0, \
         "host_k_q4 is present but host_v_q4 is absent: the V lanes would write outside it"
     lanes = 2 * n * n_kv * (head_dim // Q4_GROUP) * WARP
-    if lanes == 0:
-        return
+    k_q4, v_q4 = dev.write(k_q4), dev.write(v_q4)
+    host_k_q4, host_v_q4 = dev.write(host_k_q4), dev.write(host_v_q4)
+    return lanes, (dev.read(k_new), dev.read(v_new), dev.read(positions), dev.read(page_table),
+                   k_q4, view_bytes(k_q4, F16), v_q4, view_bytes(v_q4, F16),
+                   host_k_q4, view_bytes(host_k_q4, F16), host_v_q4, view_bytes(host_v_q4, F16))
+
+
+def kv_append_q4(k_new, v_new, positions, page_table, k_q4, v_q4, host_k_q4, host_v_q4):
+    """Like kv_append_q4_ref, on the device; NumPy arguments are moved and written back."""
     with DeviceArgs() as dev:
-        k_q4, v_q4 = dev.write(k_q4), dev.write(v_q4)
-        host_k_q4, host_v_q4 = dev.write(host_k_q4), dev.write(host_v_q4)
-        kv_append_q4_kernel[grid_for(lanes)](
-            dev.read(k_new), dev.read(v_new), dev.read(positions), dev.read(page_table),
-            k_q4, view_bytes(k_q4, F16), v_q4, view_bytes(v_q4, F16),
-            host_k_q4, view_bytes(host_k_q4, F16), host_v_q4, view_bytes(host_v_q4, F16))
+        lanes, args = q4_launch(dev, k_new, v_new, positions, page_table, k_q4, v_q4, host_k_q4, host_v_q4)
+        if lanes:
+            kv_append_q4_kernel[grid_for(lanes)](*args)

@@ -45,13 +45,14 @@ def kv_append_q8_ref(k_new,       # (n, n_kv, head_dim) float32
 
 
 # --8<-- [start:kv_append_q8_kernel]
-@cuda.jit
-def kv_append_q8_kernel(k_new, v_new,  # (n, n_kv, head_dim) float32
-                        positions,     # (n,) int32
-                        page_table,    # (n_logical_blocks,) int32
-                        k_q, k_s,      # (n_slots, n_kv, 16, head_dim) int8, (..., head_dim // 64) float16
-                        v_q, v_s,      # the same for V
-                        host_k_q, host_k_s, host_v_q, host_v_s):  # by logical block, or (0, ...)
+@cuda.jit(device=True)
+def append_q8_warp(unit, lane,        # this warp's index among the launch's q8 warps, its lane
+                   k_new, v_new,      # (n, n_kv, head_dim) float32
+                   positions,         # (n,) int32
+                   page_table,        # (n_logical_blocks,) int32
+                   k_q, k_s,          # (n_slots, n_kv, 16, head_dim) int8, (..., head_dim // 64) float16
+                   v_q, v_s,          # the same for V
+                   host_k_q, host_k_s, host_v_q, host_v_s):  # by logical block, or (0, ...)
     # One warp per (side, cell, head, 64-value group): a group shares one scale, found by
     # the warp together (quantize_int8_pair); lane l writes codes 2l and 2l + 1, so the
     # warp's 64 codes go out as one contiguous run, which matters most for the host copy
@@ -60,7 +61,6 @@ def kv_append_q8_kernel(k_new, v_new,  # (n, n_kv, head_dim) float32
     n, n_kv, head_dim = k_new.shape
     groups = head_dim // INT8_GROUP
     per_side = n * n_kv * groups
-    unit, lane = cuda.grid(1) // WARP, cuda.threadIdx.x % WARP
     writes = unit < 2 * per_side
     unit = min(unit, 2 * per_side - 1)
     side, rest = unit // per_side, unit % per_side
@@ -79,12 +79,20 @@ def kv_append_q8_kernel(k_new, v_new,  # (n, n_kv, head_dim) float32
         host_q[block, h, cell, j], host_q[block, h, cell, j + 1] = code0, code1
         if lane == 0:
             host_s[block, h, cell, g] = scale
+
+
+@cuda.jit
+def kv_append_q8_kernel(k_new, v_new, positions, page_table, k_q, k_s, v_q, v_s,
+                        host_k_q, host_k_s, host_v_q, host_v_s):  # append_q8_warp's arrays
+    append_q8_warp(cuda.grid(1) // WARP, cuda.threadIdx.x % WARP, k_new, v_new, positions, page_table,
+                   k_q, k_s, v_q, v_s, host_k_q, host_k_s, host_v_q, host_v_s)
 # --8<-- [end:kv_append_q8_kernel]
 
 
-def kv_append_q8(k_new, v_new, positions, page_table, k_q, k_s, v_q, v_s,
-                 host_k_q, host_k_s, host_v_q, host_v_s):
-    """Like kv_append_q8_ref, on the device; NumPy arguments are moved and written back."""
+def q8_launch(dev, k_new, v_new, positions, page_table, k_q, k_s, v_q, v_s,
+              host_k_q, host_k_s, host_v_q, host_v_s) -> tuple[int, tuple]:
+    """Check kv_append_q8's arguments; return its lanes (a warp per group, 0 = nothing to
+    write) and the kernel's arguments, moved by `dev` (a DeviceArgs)."""
     n, n_kv, head_dim = expect_window(k_new, v_new, positions, page_table)
     spec = {a.field: a for a in pool_arrays("int8", head_dim)}
     for name, a in (("k_q", k_q), ("k_s", k_s), ("v_q", v_q), ("v_s", v_s)):
@@ -96,10 +104,16 @@ def kv_append_q8(k_new, v_new, positions, page_table, k_q, k_s, v_q, v_s,
     assert host_k_q.shape[0] == 0 or (host_k_s.shape[0] and host_v_q.shape[0] and host_v_s.shape[0]), \
         "host_k_q is present but another host array is absent: its lanes would write outside it"
     lanes = 2 * n * n_kv * (head_dim // INT8_GROUP) * WARP  # a warp per group
-    if lanes == 0:
-        return
+    return lanes, (dev.read(k_new), dev.read(v_new), dev.read(positions), dev.read(page_table),
+                   dev.write(k_q), dev.write(k_s), dev.write(v_q), dev.write(v_s),
+                   dev.write(host_k_q), dev.write(host_k_s), dev.write(host_v_q), dev.write(host_v_s))
+
+
+def kv_append_q8(k_new, v_new, positions, page_table, k_q, k_s, v_q, v_s,
+                 host_k_q, host_k_s, host_v_q, host_v_s):
+    """Like kv_append_q8_ref, on the device; NumPy arguments are moved and written back."""
     with DeviceArgs() as dev:
-        kv_append_q8_kernel[grid_for(lanes)](
-            dev.read(k_new), dev.read(v_new), dev.read(positions), dev.read(page_table),
-            dev.write(k_q), dev.write(k_s), dev.write(v_q), dev.write(v_s),
-            dev.write(host_k_q), dev.write(host_k_s), dev.write(host_v_q), dev.write(host_v_s))
+        lanes, args = q8_launch(dev, k_new, v_new, positions, page_table, k_q, k_s, v_q, v_s,
+                                host_k_q, host_k_s, host_v_q, host_v_s)
+        if lanes:
+            kv_append_q8_kernel[grid_for(lanes)](*args)
