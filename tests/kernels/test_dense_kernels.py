@@ -164,6 +164,29 @@ def test_fused_matvec_matches_ref(prologue, add, n):
         assert not within(stored, want, bound)
 
 
+@pytest.mark.parametrize("n, warps", [(1, None), (2, 3)] if not ON_GPU else [(1, None), (3, None)])
+def test_normed_matvec_scales_the_sum_by_one_over_rms(n, warps):
+    """A normed kernel multiplies x * norm and scales each output's sum by 1 / rms, the
+    squares summed from its first trip's loads (one warp, and three meeting in shared
+    memory; every later trip of the block reuses them). x has an rms near 10, so a
+    kernel that dropped the 1 / rms, or took it from another row, would be far outside the
+    bound: the negative control is that product unscaled."""
+    rng = np.random.default_rng(14)
+    out, n_in = MATVEC_SHAPES[0]
+    raw = quantized(rng, "Q4_1", (out, n_in))
+    x = (10 * rng.standard_normal((n, n_in))).astype(np.float32)
+    x[-1] *= 3  # rows with different norms
+    norm = (1 + 0.1 * rng.standard_normal(n_in)).astype(np.float32)
+    want, got = np.zeros((n, out), np.float32), np.full((n, out), np.nan, np.float32)
+    matvec_ref(x, raw, "Q4_1", want, norm=norm, eps=1e-5)
+    matvec(x, raw, "Q4_1", got, norm=norm, eps=1e-5, warps=warps)
+    bound = fused_tolerance(x, dequantize(raw, "Q4_1"), norm, 1e-5)
+    assert_within(got, want, bound)
+    unscaled = np.full((n, out), np.nan, np.float32)
+    matvec(x * norm, raw, "Q4_1", unscaled, warps=warps)
+    assert not within(unscaled, want, bound)
+
+
 @pytest.mark.parametrize("n, warps", [(1, None), (1, 3), (2, 3)] if not ON_GPU else [(1, None), (3, None)])
 def test_rope_epilogue_equals_matvec_then_rope_bit_for_bit(n, warps):
     """q|k|v with RoPE fused into the matvec's store: the same totals, rotated by
