@@ -42,10 +42,11 @@ took 4.9 us that way and takes 4.1 now, gate|up 5.8 and 5.3, the head 54.2 and 4
 (`tools/kernel_ab.py matvec`, side by side; the head's figure includes its Q8_0 codes
 being sign-extended by shifts rather than a compare).
 
-Measured on an H200 (one decode step's matvecs, the default model's shapes; CUPTI, median
-of 50 launches; `tools/kernel_bench.py`): q|k|v with its norm 4.6 us, o with the add
-3.5, gate|up with its norm 6.0, down with SwiGLU and the add 4.9, the Q8_0 output head
-(49152 x 576, 30 MB) with its norm 61 us. The previous version, a warp per 4 rows with
+Measured on an H200 when this layout was built, before the norm moved last (one decode
+step's matvecs, the default model's shapes; CUPTI, median of 50 launches;
+`tools/kernel_bench.py`): q|k|v with its norm 4.6 us, o with the add 3.5, gate|up with
+its norm 6.0, down with SwiGLU and the add 4.9, the Q8_0 output head (49152 x 576, 30
+MB) with its norm 61 us. The previous version, a warp per 4 rows with
 every lane striding over the whole row, took 8.6, 6.5, 9.1, 17.2 and 65 us for the same
 fused launches: a lane there walked up to 6 parts of a row one after another, each
 waiting for its loads. The small matrices are bound by latency (0.2 to 1.8 MB in 3 to
@@ -88,7 +89,7 @@ from numba import config, cuda, float32, int64
 from strata_nb.kernels.launch import DeviceArgs, expect, stream
 from strata_nb.kernels.quant_q4_0 import mul_rn
 from strata_nb.kernels.reduce import WARP, warp_sum
-from strata_nb.kernels.rmsnorm import rmsnorm_ref
+from strata_nb.kernels.rmsnorm import inv_rms, rmsnorm_ref
 from strata_nb.kernels.rope import rope_qkv_ref
 from strata_nb.kernels.swiglu import swiglu_ref
 from strata_nb.model.dequant import dequantize
@@ -264,20 +265,20 @@ def weight_views(raw, qtype: str):
 
 # --8<-- [start:matvec_prologues]
 # What the kernel multiplies by W, value x[r, col] of the row it reads: all take
-# (x, norm, inv, r, col, n_in). `inv` is unused: a normed kernel multiplies x * norm and
-# applies 1 / rms to each output's sum (rmsnorm(x) W = (1 / rms) (x * norm) W).
+# (x, norm, r, col, n_in). A normed kernel multiplies x * norm and applies 1 / rms to
+# each output's sum (rmsnorm(x) W = (1 / rms) (x * norm) W).
 @cuda.jit(device=True)
-def x_plain(x, norm, inv, r, col, n_in):
+def x_plain(x, norm, r, col, n_in):
     return x[r, col]
 
 
 @cuda.jit(device=True)
-def x_normed(x, norm, inv, r, col, n_in):
+def x_normed(x, norm, r, col, n_in):
     return x[r, col] * norm[col]  # times 1 / rms, which the kernel applies to the sum
 
 
 @cuda.jit(device=True)
-def x_gated(x, norm, inv, r, col, n_in):
+def x_gated(x, norm, r, col, n_in):
     g, u = x[r, col], x[r, n_in + col]  # the gate and up halves of gate|up
     return g / (float32(1.0) + math.exp(-g)) * u  # swiglu_kernel's expression
 
@@ -372,8 +373,8 @@ def make_matvec_kernel(part, nibbles, load_x, store_y, normed, x_rows, rows, rop
                 for r in range(x_rows):
                     if r < n:
                         for j in range(4):  # 8 values of x, each used for `rows` weights
-                            xs[j] = load_x(x, norm, inv, r, lo + j, n_in)
-                            xs[4 + j] = load_x(x, norm, inv, r, hi + j, n_in)
+                            xs[j] = load_x(x, norm, r, lo + j, n_in)
+                            xs[4 + j] = load_x(x, norm, r, hi + j, n_in)
                         if normed and first_trip:
                             for j in range(4):
                                 squares[r] += x[r, lo + j] * x[r, lo + j]
@@ -393,7 +394,7 @@ def make_matvec_kernel(part, nibbles, load_x, store_y, normed, x_rows, rows, rop
                     if r < n:
                         total = warp_sum(squares[r])
                         if n_threads == WARP:
-                            inv[r] = float32(1.0) / math.sqrt(total / float32(n_in) + eps)
+                            inv[r] = inv_rms(total, n_in, eps)
                         elif lane == 0:
                             per_warp_squares[warp, r] = total
             for k in range(rows):
@@ -422,7 +423,7 @@ def make_matvec_kernel(part, nibbles, load_x, store_y, normed, x_rows, rows, rop
                             total = float32(0.0)
                             for v in range(n_threads // WARP):
                                 total += per_warp_squares[v, r]
-                            inv[r] = float32(1.0) / math.sqrt(total / float32(n_in) + eps)
+                            inv[r] = inv_rms(total, n_in, eps)
                 if rope:  # thread t stores outputs (rows k and k + 1 of W, row r of x)
                     k, r = 2 * (t // x_rows), t % x_rows
                     if k < rows and r < n and o0 + k < n_out:

@@ -49,6 +49,13 @@ def rmsnorm_tolerance(ref):
 
 
 # --8<-- [start:rmsnorm_kernel]
+@cuda.jit(device=True)
+def inv_rms(sum_squares, d, eps):
+    """1 / sqrt(mean + eps) from a row's float32 sum of squares over d values (matvec's
+    normed kernels use it too)."""
+    return float32(1.0) / math.sqrt(sum_squares / float32(d) + eps)
+
+
 @cuda.jit
 def rmsnorm_kernel(x,    # (n, d) float32
                    w,    # (d,) float32
@@ -59,7 +66,7 @@ def rmsnorm_kernel(x,    # (n, d) float32
     for j in range(cuda.threadIdx.x, d, cuda.blockDim.x):
         squares += x[i, j] * x[i, j]
     total = block_sum(squares)  # every thread of the block gets the row's sum
-    inv = float32(1.0) / math.sqrt(total / float32(d) + eps)
+    inv = inv_rms(total, d, eps)
     for j in range(cuda.threadIdx.x, d, cuda.blockDim.x):
         out[i, j] = x[i, j] * inv * w[j]
 # --8<-- [end:rmsnorm_kernel]
