@@ -6,23 +6,32 @@ makes q_d * k_d larger). A query token reads one set of blocks for all its heads
 score for a block is the largest bound over its heads, each head using the bounds of its
 GQA group's KV head.
 
-The kernel gives each (query, block) pair a thread block of n_kv x head_dim threads:
-thread (g, d) loads dim d of KV head g's bounds, so the block's loads all go out at
-once, and one warp sum per query head of the group adds its dims. A decode step scores
-512 blocks at 8K of context. One thread per pair, walking 9 heads x 64 dims alone, took
-87 us a layer on the H200; one warp per pair, 9.3 us (a warp sum per head, and each
-head's loads waiting for the last one's sum).
+One warp scores one (query, block) pair: lane l takes dims l, l + 32, ... of every head,
+so for the default model (9 query heads, 3 KV heads, 64 dims) it loads 6 values of kmin
+and 6 of kmax, and one warp sum per query head adds the dims. The head count, KV head
+count and head_dim are compiled in (`make_block_bound`): the loops unroll, every load is
+issued before the first sum needs it, and the nine sums interleave. The same device
+function scores the blocks inside a decode step's selection (select_blocks.py), so the
+host path's scores and the replayed step's are the same bits.
+
+Earlier versions, on the H200 at 8K of context (512 blocks): one thread per pair, walking
+9 heads x 64 dims alone, 87 us a layer; one warp per pair with the shapes read at run
+time, 9.3 us (each head's loads waited for the last head's sum); a thread block of
+n_kv x head_dim threads per pair, a thread per (KV head, dim) and the heads' sums added by
+one thread, 5.7 us.
 """
 from __future__ import annotations
 
 import numpy as np
-from numba import cuda, float32
+from numba import config, cuda, float32
 
 from strata_nb.kernels.launch import DeviceArgs, expect, stream
 from strata_nb.kernels.reduce import NEG_INF, WARP, warp_sum
 
-MAX_WARPS = 32  # n_kv * head_dim threads in a thread block: at most 1,024
-MAX_GROUP = 64  # query heads per KV head
+SCORE_WARPS = 1 if config.ENABLE_CUDASIM else 4  # pairs a thread block scores, a warp each
+HEAD_DIMS = (32, 64, 128)  # the shapes compiled in (block_bound)
+MAX_GROUP = 8  # query heads per KV head
+MAX_KV = 8  # KV heads
 
 
 # --8<-- [start:block_scores_ref]
@@ -40,32 +49,55 @@ def block_scores_ref(q,       # (n_q, n_heads, hd) float32 (rotated when the for
 
 
 # --8<-- [start:block_scores_kernel]
-@cuda.jit
-def block_scores_kernel(q, kmin, kmax, scores):
-    # One thread block per (query, block); thread (g, d) takes dim d of KV head g.
-    b, i, t = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x
-    n_heads, hd = q.shape[1], q.shape[2]
-    group = n_heads // kmin.shape[1]
-    g, d = t // hd, t % hd
-    lane, warp = t % WARP, t // WARP
-    lo, hi = kmin[b, g, d], kmax[b, g, d]  # every thread's loads in flight at once
-    sums = cuda.shared.array((MAX_WARPS, MAX_GROUP), float32)  # [warp, head in group]: its dims' sum
-    for h in range(group):
-        x = q[i, g * group + h, d]
-        s = warp_sum(max(x * lo, x * hi))
-        if lane == 0:
-            sums[warp, h] = s
-    cuda.syncthreads()
-    if t == 0:  # each head's bound: its warps' sums in order; the score: the largest bound
-        warps_per_head = hd // WARP
+def make_block_bound(G, KV, D):
+    """The device function `block_bound(q, i, kmin, kmax, b, lane)`: query i's score for
+    block b, returned in every lane of the calling warp (all 32 lanes call it), for G
+    query heads per KV head, KV heads and head_dim D, all compiled in."""
+    PER_LANE = D // WARP
+
+    @cuda.jit(device=True)
+    def block_bound(q, i, kmin, kmax, b, lane):
         best = NEG_INF
-        for h in range(n_heads):
-            bound = float32(0.0)
-            for w in range(warps_per_head):
-                bound += sums[(h // group) * warps_per_head + w, h % group]
-            best = max(best, bound)
-        scores[i, b] = best
+        for g in range(KV):
+            for h in range(g * G, (g + 1) * G):
+                bound = float32(0.0)
+                for j in range(PER_LANE):
+                    d = lane + j * WARP
+                    x = q[i, h, d]
+                    bound += max(x * kmin[b, g, d], x * kmax[b, g, d])
+                best = max(best, warp_sum(bound))
+        return best
+    return block_bound
+
+
+def make_block_scores_kernel(block_bound):
+    @cuda.jit
+    def block_scores_kernel(q, kmin, kmax, scores):
+        # A warp per (query, block): blocks blockIdx.x * SCORE_WARPS .. on, query blockIdx.y.
+        i, lane = cuda.blockIdx.y, cuda.threadIdx.x % WARP
+        n_blocks = kmin.shape[0]
+        b = cuda.blockIdx.x * SCORE_WARPS + cuda.threadIdx.x // WARP
+        score = block_bound(q, i, kmin, kmax, min(b, n_blocks - 1), lane)  # every warp sums: see reduce.py
+        if lane == 0 and b < n_blocks:
+            scores[i, b] = score
+    return block_scores_kernel
 # --8<-- [end:block_scores_kernel]
+
+
+# Every (G, KV heads, head_dim) the launchers take, made at import (each compiles on its
+# first launch): block_bound's and the kernel's.
+BLOCK_BOUNDS = {(g, kv, d): make_block_bound(g, kv, d)
+                for g in range(1, MAX_GROUP + 1) for kv in range(1, MAX_KV + 1) for d in HEAD_DIMS}
+BLOCK_SCORES_KERNELS = {key: make_block_scores_kernel(bound) for key, bound in BLOCK_BOUNDS.items()}
+
+
+def heads_key(n_heads: int, n_kv: int, head_dim: int) -> tuple[int, int, int]:
+    """(G, KV heads, head_dim): the key of the kernels built for these heads."""
+    key = (n_heads // max(1, n_kv), n_kv, head_dim)
+    assert n_kv > 0 and n_heads % n_kv == 0 and key in BLOCK_BOUNDS, (
+        f"no QSA scores for {n_heads} query heads, {n_kv} KV heads of {head_dim} dims "
+        f"(built: <= {MAX_GROUP} query heads per KV head, <= {MAX_KV} KV heads, head_dim in {HEAD_DIMS})")
+    return key
 
 
 def block_scores(q, kmin, kmax, scores):
@@ -74,9 +106,7 @@ def block_scores(q, kmin, kmax, scores):
     expect("kmin", kmin, np.float32, (None, None, q.shape[2]))
     expect("kmax", kmax, np.float32, kmin.shape)
     expect("scores", scores, np.float32, (q.shape[0], kmin.shape[0]))
+    kernel = BLOCK_SCORES_KERNELS[heads_key(q.shape[1], kmin.shape[1], kmin.shape[2])]
     with DeviceArgs() as dev:
-        n_kv, hd = kmin.shape[1], kmin.shape[2]
-        assert hd % WARP == 0 and n_kv * hd <= MAX_WARPS * WARP and q.shape[1] // n_kv <= MAX_GROUP, \
-            f"no block_scores for {n_kv} KV heads of {hd} dims, {q.shape[1]} query heads"
-        block_scores_kernel[(kmin.shape[0], q.shape[0]), n_kv * hd, stream()](
+        kernel[((kmin.shape[0] + SCORE_WARPS - 1) // SCORE_WARPS, q.shape[0]), SCORE_WARPS * WARP, stream()](
             dev.read(q), dev.read(kmin), dev.read(kmax), dev.write(scores))
