@@ -19,9 +19,9 @@ candidates outrank it: a higher score, or the same score and a lower index (a Na
 below every number, where NumPy sorts it). That rank is the block's place in the stable
 sort, so the choice is the host's. Ranking every
 candidate against every other is n^2 comparisons (about 240,000 at 8K of context), so
-it is spread over the GPU: a thread block ranks 32 blocks, 8 threads per block, each
-thread comparing against every 8th candidate, from a copy of the scores in shared
-memory. Each chosen block's place in the list is the number of chosen blocks before it;
+it is spread over the GPU: a thread block ranks 4 blocks, 64 threads per block, each
+thread comparing against every 64th candidate, from a copy of the scores in shared
+memory (at 8K of context, 128 thread blocks of 8 comparisons a thread). Each chosen block's place in the list is the number of chosen blocks before it;
 the thread block that finishes last (a ticket, `launch.py: last_to_arrive`, as in
 attention_step.py) writes the list: each of its threads owns a contiguous run of blocks,
 and a scan over the threads' pick counts gives each run its start.
@@ -29,7 +29,17 @@ and a scan over the threads' pick counts gives each run its start.
 The first version was one thread block of 512 threads, each ranking its block against
 all the others and then counting its place block by block: 70 us a layer at 8K of
 context on the H200, 49 us with the scores in shared memory and the places from a scan.
-A single SM simply had too many comparisons to make.
+A single SM simply had too many comparisons to make. Spread over 16 thread blocks of
+32 blocks, 8 threads each, it took 11.2 us; 64 of 8 blocks x 32 threads, 6.8 us; 128 of
+4 x 64, 6.0 us (at 1,024 cells 5.2, 4.3 and 4.5 us). 2 x 128 took 10.1 us: every thread
+block copies all the scores into shared memory first. (H200, CUPTI, a scratch script
+timing copies of this file with other CANDIDATES and PARTS.)
+
+Also tried and not kept: scoring the blocks in this launch, a warp per block, and
+picking in the last thread block alone, by finding the take-th highest score bit by bit
+(33 block-wide counts, `cuda.syncthreads_count`: 12.6 us at 8K without the scores, 14.8
+with them) or four bits a round, a warp per trial digit (18.4 us). One SM's barriers in
+a chain cost more than the comparisons spread over the GPU.
 """
 from __future__ import annotations
 
@@ -44,8 +54,8 @@ from strata_nb.kv import select as host_select
 
 # A thread block ranks CANDIDATES blocks, PARTS threads each (under the simulator fewer
 # Python threads: 8 x 4).
-CANDIDATES = 8 if config.ENABLE_CUDASIM else 32
-PARTS = 4 if config.ENABLE_CUDASIM else 8
+CANDIDATES = 8 if config.ENABLE_CUDASIM else 4
+PARTS = 4 if config.ENABLE_CUDASIM else 64
 THREADS = CANDIDATES * PARTS
 # Candidates whose scores a thread block holds in shared memory (4,096 blocks: 64K cells
 # of context); the scores of later ones are read from global memory.
