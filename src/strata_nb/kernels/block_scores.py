@@ -9,10 +9,10 @@ GQA group's KV head.
 One warp scores one (query, block) pair: lane l takes dims l, l + 32, ... of every head,
 so for the default model (9 query heads, 3 KV heads, 64 dims) it loads 6 values of kmin
 and 6 of kmax, and one warp sum per query head adds the dims. The head count, KV head
-count and head_dim are compiled in (`make_block_bound`): the loops unroll, every load is
-issued before the first sum needs it, and the nine sums interleave. The same device
-function scores the blocks inside a decode step's selection (select_blocks.py), so the
-host path's scores and the replayed step's are the same bits.
+count and head_dim are compiled in (`make_block_scores_kernel`): the loops unroll, every
+load is issued before the first sum needs it, and the nine sums interleave. The host path
+and a replayed decode step (kv/cache.py: StepBlocks) launch this same kernel, so their
+scores are the same bits.
 
 Earlier versions, on the H200 at 8K of context (512 blocks): one thread per pair, walking
 9 heads x 64 dims alone, 87 us a layer; one warp per pair with the shapes read at run
@@ -29,7 +29,7 @@ from strata_nb.kernels.launch import DeviceArgs, expect, stream
 from strata_nb.kernels.reduce import NEG_INF, WARP, warp_sum
 
 SCORE_WARPS = 1 if config.ENABLE_CUDASIM else 4  # pairs a thread block scores, a warp each
-HEAD_DIMS = (32, 64, 128)  # the shapes compiled in (block_bound)
+HEAD_DIMS = (32, 64, 128)  # the shapes compiled in (make_block_scores_kernel)
 MAX_GROUP = 8  # query heads per KV head
 MAX_KV = 8  # KV heads
 
@@ -49,14 +49,19 @@ def block_scores_ref(q,       # (n_q, n_heads, hd) float32 (rotated when the for
 
 
 # --8<-- [start:block_scores_kernel]
-def make_block_bound(G, KV, D):
-    """The device function `block_bound(q, i, kmin, kmax, b, lane)`: query i's score for
-    block b, returned in every lane of the calling warp (all 32 lanes call it), for G
-    query heads per KV head, KV heads and head_dim D, all compiled in."""
+def make_block_scores_kernel(G, KV, D):
+    """The kernel for G query heads per KV head, KV heads and head_dim D, all compiled in."""
     PER_LANE = D // WARP
 
-    @cuda.jit(device=True)
-    def block_bound(q, i, kmin, kmax, b, lane):
+    @cuda.jit
+    def block_scores_kernel(q, kmin, kmax, scores):
+        # A warp per (query, block): blocks blockIdx.x * SCORE_WARPS .. on, query blockIdx.y;
+        # lane l takes dims l, l + 32, ... Past the last block a warp scores the last one
+        # again: every warp sums (reduce.py), only the real ones store.
+        i, lane = cuda.blockIdx.y, cuda.threadIdx.x % WARP
+        n_blocks = kmin.shape[0]
+        b = cuda.blockIdx.x * SCORE_WARPS + cuda.threadIdx.x // WARP
+        c = min(b, n_blocks - 1)
         best = NEG_INF
         for g in range(KV):
             for h in range(g * G, (g + 1) * G):
@@ -64,40 +69,18 @@ def make_block_bound(G, KV, D):
                 for j in range(PER_LANE):
                     d = lane + j * WARP
                     x = q[i, h, d]
-                    bound += max(x * kmin[b, g, d], x * kmax[b, g, d])
+                    bound += max(x * kmin[c, g, d], x * kmax[c, g, d])
                 best = max(best, warp_sum(bound))
-        return best
-    return block_bound
-
-
-def make_block_scores_kernel(block_bound):
-    @cuda.jit
-    def block_scores_kernel(q, kmin, kmax, scores):
-        # A warp per (query, block): blocks blockIdx.x * SCORE_WARPS .. on, query blockIdx.y.
-        i, lane = cuda.blockIdx.y, cuda.threadIdx.x % WARP
-        n_blocks = kmin.shape[0]
-        b = cuda.blockIdx.x * SCORE_WARPS + cuda.threadIdx.x // WARP
-        score = block_bound(q, i, kmin, kmax, min(b, n_blocks - 1), lane)  # every warp sums: see reduce.py
         if lane == 0 and b < n_blocks:
-            scores[i, b] = score
+            scores[i, b] = best
     return block_scores_kernel
 # --8<-- [end:block_scores_kernel]
 
 
-# Every (G, KV heads, head_dim) the launchers take, made at import (each compiles on its
-# first launch): block_bound's and the kernel's.
-BLOCK_BOUNDS = {(g, kv, d): make_block_bound(g, kv, d)
-                for g in range(1, MAX_GROUP + 1) for kv in range(1, MAX_KV + 1) for d in HEAD_DIMS}
-BLOCK_SCORES_KERNELS = {key: make_block_scores_kernel(bound) for key, bound in BLOCK_BOUNDS.items()}
-
-
-def heads_key(n_heads: int, n_kv: int, head_dim: int) -> tuple[int, int, int]:
-    """(G, KV heads, head_dim): the key of the kernels built for these heads."""
-    key = (n_heads // max(1, n_kv), n_kv, head_dim)
-    assert n_kv > 0 and n_heads % n_kv == 0 and key in BLOCK_BOUNDS, (
-        f"no QSA scores for {n_heads} query heads, {n_kv} KV heads of {head_dim} dims "
-        f"(built: <= {MAX_GROUP} query heads per KV head, <= {MAX_KV} KV heads, head_dim in {HEAD_DIMS})")
-    return key
+# Every (G, KV heads, head_dim) the launcher takes, made at import (each compiles on its
+# first launch).
+BLOCK_SCORES_KERNELS = {(g, kv, d): make_block_scores_kernel(g, kv, d)
+                        for g in range(1, MAX_GROUP + 1) for kv in range(1, MAX_KV + 1) for d in HEAD_DIMS}
 
 
 def block_scores(q, kmin, kmax, scores):
@@ -106,7 +89,12 @@ def block_scores(q, kmin, kmax, scores):
     expect("kmin", kmin, np.float32, (None, None, q.shape[2]))
     expect("kmax", kmax, np.float32, kmin.shape)
     expect("scores", scores, np.float32, (q.shape[0], kmin.shape[0]))
-    kernel = BLOCK_SCORES_KERNELS[heads_key(q.shape[1], kmin.shape[1], kmin.shape[2])]
+    n_heads, n_kv, hd = q.shape[1], kmin.shape[1], kmin.shape[2]
+    key = (n_heads // max(1, n_kv), n_kv, hd)
+    assert n_kv > 0 and n_heads % n_kv == 0 and key in BLOCK_SCORES_KERNELS, (
+        f"no QSA scores for {n_heads} query heads, {n_kv} KV heads of {hd} dims "
+        f"(built: <= {MAX_GROUP} query heads per KV head, <= {MAX_KV} KV heads, head_dim in {HEAD_DIMS})")
+    kernel = BLOCK_SCORES_KERNELS[key]
     with DeviceArgs() as dev:
         kernel[((kmin.shape[0] + SCORE_WARPS - 1) // SCORE_WARPS, q.shape[0]), SCORE_WARPS * WARP, stream()](
             dev.read(q), dev.read(kmin), dev.read(kmax), dev.write(scores))

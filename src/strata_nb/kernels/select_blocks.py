@@ -21,7 +21,8 @@ sort, so the choice is the host's. Ranking every
 candidate against every other is n^2 comparisons (about 240,000 at 8K of context), so
 it is spread over the GPU: a thread block ranks 4 blocks, 64 threads per block, each
 thread comparing against every 64th candidate, from a copy of the scores in shared
-memory (at 8K of context, 128 thread blocks of 8 comparisons a thread). Each chosen block's place in the list is the number of chosen blocks before it;
+memory (at 8K of context, 128 thread blocks of 8 comparisons a thread). Each chosen
+block's place in the list is the number of chosen blocks before it;
 the thread block that finishes last (a ticket, `launch.py: last_to_arrive`, as in
 attention_step.py) writes the list: each of its threads owns a contiguous run of blocks,
 and a scan over the threads' pick counts gives each run its start.
