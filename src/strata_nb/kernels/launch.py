@@ -15,7 +15,10 @@ from contextlib import contextmanager
 import numpy as np
 from numba import config, cuda, int32
 
+from strata_nb.backend import device_memory
 from strata_nb.kv.formats import BLOCK, PoolArray
+
+device_memory.install()  # launchers' outputs reuse freed device memory (backend/device_memory.py)
 
 THREADS = 128  # threads per block for the lane-per-thread kernels: a multiple of the warp
 # A decode step's kernels are small by nature (one token, 3 KV heads): Numba's warning
