@@ -85,11 +85,15 @@ def test_select_blocks_ranks_nan_scores_last_as_the_host_does():
 
 
 def tables(n_ring=2, n_pool=3):
-    page_table = np.full(N_BLOCKS, -1, np.int32)
-    slot_block = np.full(n_ring + n_pool, -1, np.int32)
-    for block, slot in ((4, 0), (5, 1), (1, 2), (8, 4)):  # ring: 4, 5; pool: 1, 8
-        page_table[block], slot_block[slot] = slot, block
-    return page_table, slot_block
+    """Three layers' maps: each layer's ring and pool hold different blocks."""
+    page_tables = np.full((3, N_BLOCKS), -1, np.int32)
+    slot_blocks = np.full((3, n_ring + n_pool), -1, np.int32)
+    for layer, held in enumerate([((4, 0), (5, 1), (1, 2), (8, 4)),  # ring: 4, 5; pool: 1, 8
+                                  ((6, 0), (5, 1), (8, 2)),          # ring: 6, 5; pool: 8
+                                  ()]):                              # nothing mapped
+        for block, slot in held:
+            page_tables[layer, block], slot_blocks[layer, slot] = slot, block
+    return page_tables, slot_blocks
 
 
 @pytest.mark.parametrize("pos", [5 * 16 + 3, 6 * 16, 8 * 16, 0])  # mapped already; ring moves on; a block in
@@ -98,8 +102,8 @@ def test_map_ring_kernel_equals_ref(pos):                          # the pool mo
     map_ring_ref(np.array([pos], np.int32), *want, 2)
     map_ring(np.array([pos], np.int32), *got, 2)
     assert all(w.tobytes() == g.tobytes() for w, g in zip(want, got))
-    page_table, slot_block = want
     block = pos // 16
-    assert page_table[block] == block % 2 and slot_block[block % 2] == block
-    for b in np.flatnonzero(page_table >= 0):  # still inverse maps
-        assert slot_block[page_table[b]] == b
+    for page_table, slot_block in zip(*want):  # every layer's ring moved
+        assert page_table[block] == block % 2 and slot_block[block % 2] == block
+        for b in np.flatnonzero(page_table >= 0):  # still inverse maps
+            assert slot_block[page_table[b]] == b

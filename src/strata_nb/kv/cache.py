@@ -66,18 +66,19 @@ class StreamPlan:
 class LayerKV(KVDest):
     """One layer: the pool ("VRAM", by slot), its page table, the host copy (by block)."""
 
-    def __init__(self, be, fmt, n_kv, head_dim, n_blocks, plan: StreamPlan | None, qsa: bool):
+    def __init__(self, be, fmt, n_kv, head_dim, n_blocks, plan: StreamPlan | None, qsa: bool, maps=None):
+        """maps: streaming, this layer's rows of the cache's device maps (page table, slot ->
+        block), as SlotTable starts them: nothing mapped."""
         arrays = pool_arrays(fmt, head_dim)
         n_slots = n_blocks if plan is None else plan.n_ring + plan.n_pool
         pool = {a.field: be.zeros((n_slots, n_kv, BLOCK, a.per_head), a.dtype) for a in arrays}
         host = None if plan is None else {
             a.field: be.host_array((n_blocks, n_kv, BLOCK, a.per_head), a.dtype) for a in arrays}
         self.slots = None if plan is None else SlotTable(n_blocks, plan.n_ring, plan.n_pool)
-        table = np.arange(n_blocks, dtype=np.int32) if plan is None else self.slots.page_table
-        super().__init__(pool, be.asarray(table), host)
         # slot -> block, the page table's inverse, in device memory too: a replayed step
         # moves the ring there (kernels/map_ring.py)
-        self.slot_block = None if plan is None else be.asarray(self.slots.slot_block)
+        table, self.slot_block = (be.asarray(np.arange(n_blocks, dtype=np.int32)), None) if plan is None else maps
+        super().__init__(pool, table, host)
         # QSA bounds: (n_blocks, n_kv, hd) float32 min and max of K per block and head
         self.kmin = be.zeros((n_blocks, n_kv, head_dim), np.float32) if qsa else None
         self.kmax = be.zeros((n_blocks, n_kv, head_dim), np.float32) if qsa else None
@@ -120,8 +121,15 @@ class KVCache:
         self.n_blocks = -(-settings.max_context // BLOCK)
         self.plan = StreamPlan.from_settings(settings, self.n_blocks)
         self.block_bytes = kv_block_bytes(self.fmt, cfg.n_kv_heads, cfg.head_dim)
+        # Streaming: every layer's maps are rows of one device array each, so a replayed step
+        # moves all the rings in one launch (kernels/map_ring.py)
+        self.maps = None if self.plan is None else tuple(
+            be.asarray(np.full((cfg.n_layers, n), -1, np.int32))
+            for n in (self.n_blocks, self.plan.n_ring + self.plan.n_pool))
         self.layers = [LayerKV(be, self.fmt, cfg.n_kv_heads, cfg.head_dim, self.n_blocks, self.plan,
-                               qsa=self.qsa_budget > 0) for _ in range(cfg.n_layers)]
+                               qsa=self.qsa_budget > 0,
+                               maps=None if self.maps is None else (self.maps[0][i], self.maps[1][i]))
+                       for i in range(cfg.n_layers)]
         identity = be.asarray(np.arange(self.n_blocks, dtype=np.int32))
         self.stage = None if self.plan is None else KVDest(
             {f: be.zeros((self.n_blocks,) + tuple(a.shape[1:]), a.dtype)
@@ -175,7 +183,8 @@ class KVCache:
         pos = self._on_device(positions)
         on_device = not isinstance(positions, np.ndarray)  # a replayed decode step
         if self.streamed and on_device:
-            self.be.op("map_ring")(pos, L.page_table, L.slot_block, self.plan.n_ring)  # the ring follows, on the device
+            if layer == 0:  # the step's first append moves every layer's ring, on the device
+                self.be.op("map_ring")(pos, *self.maps, self.plan.n_ring)
             self._device_newer = True
         elif self.streamed:
             self._sync_from_device()
@@ -189,9 +198,8 @@ class KVCache:
                 self._move(L.host, self.stage.pool, [(b, b) for b in range(before)])
                 self._counters.staged_blocks += before
                 append_cells(self.be, self.fmt, self.stage, pos, k, v)
-        append_cells(self.be, self.fmt, L, pos, k, v, self.fault)  # host copy always, slot if resident
-        if L.kmin is not None:
-            self.be.op("block_bounds")(k, pos, L.kmin, L.kmax)
+        # host copy always, slot if resident; QSA's bounds of K with them
+        append_cells(self.be, self.fmt, L, pos, k, v, self.fault, None if L.kmin is None else (L.kmin, L.kmax))
     # --8<-- [end:append]
 
     # --8<-- [start:attend]
