@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 from numba import cuda
 
+from strata_nb.kernels.block_bounds import block_bounds_ref
 from strata_nb.kernels.kv_append_k8v4 import kv_append_k8v4, kv_append_k8v4_ref
 from strata_nb.kv.formats import BLOCK, pool_arrays
 
@@ -104,6 +105,25 @@ def test_unfolded_v_half_loses_the_host_copy_of_v():
     with pytest.raises(AssertionError, match="v_q4 is not in the host copy"):
         assert_host_mirrors_pool(pool_bad, host_bad)
 # --8<-- [end:kv_hybrid_parity]
+
+
+def test_bounds_in_the_append_launch():
+    """With QSA the launch also keeps K's block bounds: the same bytes as block_bounds_ref
+    after the append, and the append's own bytes unchanged."""
+    def bounds():
+        return np.zeros((N_BLOCKS, N_KV, HEAD_DIM), np.float32), np.zeros((N_BLOCKS, N_KV, HEAD_DIM), np.float32)
+
+    want, got = bounds(), bounds()
+    pool_ref, host_ref, _ = append_windows(kv_append_k8v4_ref, bounds=want)
+    assert_parity(pool_ref, host_ref, *append_windows(kv_append_k8v4, bounds=got)[:2])
+    assert want[0].tobytes() == got[0].tobytes() and want[1].tobytes() == got[1].tobytes()
+    rng, alone = np.random.default_rng(0), bounds()  # the same K, through block_bounds_ref alone
+    for first, n in WINDOWS:
+        k = rng.standard_normal((n, N_KV, HEAD_DIM), np.float32)
+        rng.standard_normal((n, N_KV, HEAD_DIM), np.float32)  # v_rot
+        block_bounds_ref(k, np.arange(first, first + n, dtype=np.int32), *alone)
+    assert alone[0].tobytes() == got[0].tobytes() and alone[1].tobytes() == got[1].tobytes()
+    assert (got[1] >= got[0]).all() and (got[1] > got[0]).mean() > 0.9  # the windows widened them
 
 
 def test_ref_reproduces_the_unfolded_fault():

@@ -37,10 +37,9 @@ def block_bounds_ref(k_new,      # (n, n_kv, hd) float32 the appended K (as stor
 
 
 # --8<-- [start:block_bounds_kernel]
-@cuda.jit
-def block_bounds_kernel(k_new, positions, kmin, kmax):
-    # Thread block j: the window's j-th block; thread (h, d): its cells in order, at most 16.
-    j, t = cuda.blockIdx.x, cuda.threadIdx.x
+@cuda.jit(device=True)
+def bounds_thread(j, t, k_new, positions, kmin, kmax):
+    # The window's j-th block, (KV head, dim) t: that block's cells in order, at most 16.
     n, n_kv, hd = k_new.shape
     if t < n_kv * hd:
         h, d = t // hd, t % hd
@@ -54,12 +53,18 @@ def block_bounds_kernel(k_new, positions, kmin, kmax):
             else:
                 kmin[b, h, d] = min(kmin[b, h, d], x)
                 kmax[b, h, d] = max(kmax[b, h, d], x)
+
+
+@cuda.jit
+def block_bounds_kernel(k_new, positions, kmin, kmax):  # thread block j: the window's j-th block
+    bounds_thread(cuda.blockIdx.x, cuda.threadIdx.x, k_new, positions, kmin, kmax)
 # --8<-- [end:block_bounds_kernel]
 
 
-def block_bounds(k_new, positions, kmin, kmax):
-    """Like block_bounds_ref, for a window of consecutive positions (every writer appends
-    one run of cells: a prompt chunk, a verify window, a decode step)."""
+def bounds_launch(dev, k_new, positions, kmin, kmax) -> tuple[int, int, tuple]:
+    """Check block_bounds' arguments; return the window's blocks (a thread block each, at
+    most n // 16 + 2), the threads one block takes (n_kv x head_dim) and the kernel's
+    arguments, moved by `dev` (a DeviceArgs)."""
     expect("k_new", k_new, np.float32, (None, None, None))
     n, n_kv, hd = k_new.shape
     expect("positions", positions, np.int32, (n,))
@@ -67,7 +72,12 @@ def block_bounds(k_new, positions, kmin, kmax):
     expect("kmax", kmax, np.float32, (kmin.shape[0], n_kv, hd))
     if isinstance(positions, np.ndarray):
         assert (np.diff(positions) == 1).all(), "block_bounds takes a window of consecutive positions"
-    threads = -(-n_kv * hd // WARP) * WARP
+    return n // BLOCK + 2, n_kv * hd, (dev.read(k_new), dev.read(positions), dev.write(kmin), dev.write(kmax))
+
+
+def block_bounds(k_new, positions, kmin, kmax):
+    """Like block_bounds_ref, for a window of consecutive positions (every writer appends
+    one run of cells: a prompt chunk, a verify window, a decode step)."""
     with DeviceArgs() as dev:
-        block_bounds_kernel[n // BLOCK + 2, threads, stream()](dev.read(k_new), dev.read(positions),
-                                                              dev.write(kmin), dev.write(kmax))
+        blocks, threads, args = bounds_launch(dev, k_new, positions, kmin, kmax)
+        block_bounds_kernel[blocks, -(-threads // WARP) * WARP, stream()](*args)

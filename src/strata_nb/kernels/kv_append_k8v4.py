@@ -14,6 +14,13 @@ launcher (`q8_launch`, `q4_launch`). The same arithmetic and the same writes as 
 launches, one launch fewer a layer: on the H200 a decode step's 30 appends took 90 and
 86 us as two launches each, 92 us as one (`strata-nb bench --profile`).
 
+With QSA, the same launch also keeps the bounds of K (`bounds`, kernels/block_bounds.py):
+thread blocks after the two halves' run block_bounds' per-thread body, so a streamed
+step has no separate block_bounds launch a layer (30 launches, 67 us of its GPU time on
+the H200, docs/measured/bench_pool). Those thread blocks are whole blocks of their own,
+because the halves' warp reductions, under the simulator, wait for every thread of
+their thread block.
+
 `fold_v_half=False` passes the V half the tempting way instead: the pool still folded,
 but the host copy given only as the V-side array. The K-side test then finds no host
 copy and skips every host write of V, silently. A V cell whose block is not resident
@@ -31,9 +38,10 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
+from strata_nb.kernels.block_bounds import block_bounds_ref, bounds_launch, bounds_thread
 from strata_nb.kernels.kv_append_q4 import append_q4_warp, kv_append_q4_ref, q4_launch
 from strata_nb.kernels.kv_append_q8 import append_q8_warp, kv_append_q8_ref, q8_launch
-from strata_nb.kernels.launch import DeviceArgs, grid_for
+from strata_nb.kernels.launch import THREADS, DeviceArgs, absent, grid_for
 from strata_nb.kernels.reduce import WARP
 
 
@@ -62,20 +70,31 @@ def append_halves(append_q8, append_q4,  # the q8 and q4 writers: both refs or b
 # --8<-- [end:append_halves]
 
 
-def kv_append_k8v4_ref(k, v_rot, positions, page_table, pool, host, *, fold_v_half=True):
-    """The k8v4 append with the NumPy writers; pool and host are written in place."""
+def kv_append_k8v4_ref(k, v_rot, positions, page_table, pool, host, *, fold_v_half=True, bounds=None):
+    """The k8v4 append with the NumPy writers; pool and host are written in place.
+    bounds: QSA's (kmin, kmax) of K, updated as block_bounds does, or None."""
     append_halves(kv_append_q8_ref, kv_append_q4_ref, k, v_rot, positions, page_table,
                   pool, host, fold_v_half)
+    if bounds is not None:
+        block_bounds_ref(k, positions, *bounds)
 
 
 # --8<-- [start:kv_append_k8v4_kernel]
 @cuda.jit
-def kv_append_k8v4_kernel(q8_warps,  # int32: warps of the K half; the V half's come after them
+def kv_append_k8v4_kernel(q8_warps,        # int32: warps of the K half; the V half's come after them
+                          append_threads,  # int32: the threads of both halves' thread blocks
                           k8_k, k8_v, k8_pos, k8_table, k_q, k_s, k_q_v, k_s_v,  # append_q8_warp's arrays:
                           k8_host_q, k8_host_s, k8_host_q_v, k8_host_s_v,        # the K half, folded
                           v4_k, v4_v, v4_pos, v4_table, v_q4, v_d, v_q4_v, v_d_v,  # append_q4_warp's
-                          v4_host_q4, v4_host_d, v4_host_q4_v, v4_host_d_v):       # arrays: the V half
-    unit, lane = cuda.grid(1) // WARP, cuda.threadIdx.x % WARP  # a half's warps never straddle
+                          v4_host_q4, v4_host_d, v4_host_q4_v, v4_host_d_v,        # arrays: the V half
+                          kmin, kmax):  # QSA's bounds of K (block_bounds), or (0, ...) when not kept
+    thread = cuda.grid(1)
+    if thread >= append_threads:  # thread blocks of their own (no warp reduction there): the bounds
+        t = thread - append_threads
+        group = k8_k.shape[1] * k8_k.shape[2]  # threads a window block takes: n_kv x head_dim
+        bounds_thread(t // group, t % group, k8_k, k8_pos, kmin, kmax)
+        return
+    unit, lane = thread // WARP, cuda.threadIdx.x % WARP  # a half's warps never straddle
     if unit < q8_warps:
         append_q8_warp(unit, lane, k8_k, k8_v, k8_pos, k8_table, k_q, k_s, k_q_v, k_s_v,
                        k8_host_q, k8_host_s, k8_host_q_v, k8_host_s_v)
@@ -85,14 +104,22 @@ def kv_append_k8v4_kernel(q8_warps,  # int32: warps of the K half; the V half's 
 # --8<-- [end:kv_append_k8v4_kernel]
 
 
-def kv_append_k8v4(k, v_rot, positions, page_table, pool, host, *, fold_v_half=True):
-    """The k8v4 append with the kernels, both halves in one launch; pool and host are
-    written in place."""
+def kv_append_k8v4(k, v_rot, positions, page_table, pool, host, *, fold_v_half=True, bounds=None):
+    """The k8v4 append with the kernels, both halves and the bounds in one launch; pool,
+    host and bounds are written in place."""
     halves = {}
     append_halves(lambda *a: halves.setdefault("q8", a), lambda *a: halves.setdefault("q4", a),
                   k, v_rot, positions, page_table, pool, host, fold_v_half)
     with DeviceArgs() as dev:
         q8_lanes, q8_args = q8_launch(dev, *halves["q8"])
         q4_lanes, q4_args = q4_launch(dev, *halves["q4"])
-        if q8_lanes:  # both halves have cells, or neither
-            kv_append_k8v4_kernel[grid_for(q8_lanes + q4_lanes)](np.int32(q8_lanes // WARP), *q8_args, *q4_args)
+        if not q8_lanes:  # both halves have cells, or neither
+            return
+        append_threads = -(-(q8_lanes + q4_lanes) // THREADS) * THREADS
+        if bounds is None:
+            bounds_threads, kmin, kmax = 0, *(absent((0,) + tuple(k.shape[1:]), np.float32),) * 2
+        else:
+            blocks, group, (_, _, kmin, kmax) = bounds_launch(dev, k, positions, *bounds)
+            bounds_threads = blocks * group
+        kv_append_k8v4_kernel[grid_for(append_threads + bounds_threads)](
+            np.int32(q8_lanes // WARP), np.int32(append_threads), *q8_args, *q4_args, kmin, kmax)
