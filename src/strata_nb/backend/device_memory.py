@@ -8,7 +8,10 @@ cannot run ahead of the GPU while the host sits in cuMemAlloc.
 `PooledMemory` keeps what dies instead. An allocation is rounded up to its size class
 (`size_class`), and a new one takes a kept pointer of that class when there is one. The
 same shapes come back every layer and every chunk, so after the first chunk almost
-nothing reaches the driver.
+nothing reaches the driver. On the H200 (`tools/prefill_profile.py`, random weights of
+the default shapes, k8v4) a 4,096-token prefill went from 10,082 to 12,139 tok/s with
+Numba's allocator to 22,715 to 24,000 pooled; the GPU time did not change (33.6 ms for
+1,024 tokens either way; docs: "Running on a GPU").
 
 Reuse is safe because every kernel and copy that touches these arrays runs in one order:
 the legacy default stream, or a graph's stream, which the legacy stream waits for and is
@@ -46,6 +49,7 @@ def _pooled_manager():
             self.kept = defaultdict(list)  # size class -> pointers free for reuse
             self.fresh = 0  # allocations that reached cuMemAlloc (the tests read it)
 
+        # --8<-- [start:memalloc]
         def memalloc(self, size):
             nbytes = size_class(size)
             free = self.kept[nbytes]
@@ -61,6 +65,7 @@ def _pooled_manager():
             # array's last view dies; without it the object (and keep) would go at once.
             mem = allocations[key] = driver.AutoFreePointer(weakref.proxy(self.context), ptr, nbytes, finalizer=keep)
             return mem.own()
+        # --8<-- [end:memalloc]
 
         def _fresh(self, nbytes):
             self.fresh += 1
