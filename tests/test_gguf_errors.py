@@ -61,3 +61,25 @@ def test_cli_bad_model_is_one_line_exit_2(make, tiny_model, tmp_path, capsys):
     assert exit_.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("strata-nb: error:")
+
+
+def test_head_dim_outside_the_rotation_width_is_one_line_exit_2(tmp_path, capsys):
+    p = write_synthetic_gguf(tmp_path / "m.gguf", n_layers=1, head_dim=48)
+    with pytest.raises(SystemExit) as exit_:
+        main(["run", "--model", str(p), "--device", "cpu", "hello"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["strata-nb: error: head_dim 48 is not a multiple of 64 (the rotation width)"]
+
+
+@pytest.mark.parametrize("shapes, qsa, message", [
+    (dict(n_heads=9, n_kv_heads=1), 0, "at most 8 query heads per KV head; this model has head_dim 64 and 9"),
+    (dict(n_heads=9, n_kv_heads=9), 256, "at most 8 KV heads; this model has 9"),
+])
+def test_shapes_the_cuda_kernels_are_not_built_for(tmp_path, shapes, qsa, message):
+    from strata_nb.engine.engine import Engine
+
+    p = write_synthetic_gguf(tmp_path / "m.gguf", n_layers=1, **shapes)
+    with pytest.raises(StrataError, match=message):
+        Engine.load(model=str(p), device="cuda", qsa_budget=qsa)  # the simulator under the tests
+    Engine.load(model=str(p), device="cpu", qsa_budget=qsa)  # the references take them

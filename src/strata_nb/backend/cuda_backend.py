@@ -66,6 +66,21 @@ class CudaBackend:
         for the GPU to finish its queue, so mid-pass frees keep the host from running ahead."""
         return cuda.defer_cleanup()
 
+    def check_model(self, cfg, qsa: bool):
+        """The step kernels are compiled for a range of shapes (head_dim, query heads per KV
+        head, and KV heads for QSA's scores): a model outside it stops here, with the
+        range, and not at its first launch."""
+        from ..kernels import attention_step, block_scores
+
+        group = cfg.n_heads // cfg.n_kv_heads
+        if cfg.head_dim not in attention_step.HEAD_DIMS or group > attention_step.MAX_GROUP:
+            raise StrataError(f"the cuda backend's attention is built for head_dim in {attention_step.HEAD_DIMS} "
+                              f"and at most {attention_step.MAX_GROUP} query heads per KV head; this model has "
+                              f"head_dim {cfg.head_dim} and {group} (use --device cpu)")
+        if qsa and cfg.n_kv_heads > block_scores.MAX_KV:
+            raise StrataError(f"the cuda backend's QSA scores are built for at most {block_scores.MAX_KV} KV heads; "
+                              f"this model has {cfg.n_kv_heads} (run without --qsa-budget, or with --device cpu)")
+
     def host_array(self, shape, dtype):
         """Pinned, device-mapped host memory: the authoritative host copy."""
         a = cuda.mapped_array(shape, dtype)

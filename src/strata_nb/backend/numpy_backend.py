@@ -47,6 +47,9 @@ class NumpyBackend:
         """The cuda backend's scope for one forward pass; nothing to defer here."""
         return contextlib.nullcontext()
 
+    def check_model(self, cfg, qsa: bool):
+        """The references take every shape the KV formats allow (kv/formats.py)."""
+
     def host_array(self, shape, dtype):
         """An array for the host copy (pinned and device-mapped on the cuda backend)."""
         return np.zeros(shape, dtype)
