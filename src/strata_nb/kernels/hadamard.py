@@ -20,7 +20,6 @@ from strata_nb.kernels.launch import DeviceArgs, device_empty, grid_for, is_host
 
 N = 64  # values per transform: one head row of the default model
 LOG_N = 6  # its rounds: N = 2 ** LOG_N
-HALF_N = N // 2  # the values a round makes from pairs (a local array's size must be a constant)
 SCALE = np.float32(1 / 8)  # 1 / sqrt(64): makes H orthonormal; a power of two, so exact
 
 
@@ -100,8 +99,8 @@ def fwht64_at(row, j):
     round makes t[m] from t[2m] (its pair's lower value, a) and t[2m + 1] (b): a + b where
     j's bit r - 1 is 0, a - b where it is 1, as fwht64 does for both."""
     base = (j >> LOG_N) << LOG_N  # the 64 values j is transformed with
-    t = cuda.local.array(HALF_N, float32)
-    for m in range(HALF_N):
+    t = cuda.local.array(N // 2, float32)
+    for m in range(N // 2):
         a = row[base + 2 * m]
         b = row[base + 2 * m + 1]
         t[m] = a + b if j & 1 == 0 else a - b
