@@ -85,34 +85,6 @@ def fwht64_rows(rows, n_rows, width, t, n_threads):
 # --8<-- [end:fwht64]
 
 
-# --8<-- [start:fwht64_at]
-@cuda.jit(device=True)
-def fwht64_at(row, j):
-    """Value j of hadamard_ref(row), for a row of 64k float32 values (transformed per 64),
-    with fwht64's own butterflies: the 63 of its 384 additions that value j depends on,
-    so the same bits. A lane that needs a few rotated values makes them this way from the
-    unrotated row, trading nothing with other lanes.
-
-    Round r pairs values h = 2**(r - 1) apart, and after it a value depends on every value
-    that agrees with it below bit r. So value j needs the 32 results of round 1 that agree
-    with j in bit 0, 16 of round 2, ..., 1 of round 6. t[m] holds the m-th of them, and a
-    round makes t[m] from t[2m] (its pair's lower value, a) and t[2m + 1] (b): a + b where
-    j's bit r - 1 is 0, a - b where it is 1, as fwht64 does for both."""
-    base = (j >> LOG_N) << LOG_N  # the 64 values j is transformed with
-    t = cuda.local.array(N // 2, float32)
-    for m in range(N // 2):
-        a = row[base + 2 * m]
-        b = row[base + 2 * m + 1]
-        t[m] = a + b if j & 1 == 0 else a - b
-    for r in range(1, LOG_N):
-        for m in range(N >> (r + 1)):
-            a = t[2 * m]
-            b = t[2 * m + 1]
-            t[m] = a + b if (j >> r) & 1 == 0 else a - b
-    return t[0] * SCALE
-# --8<-- [end:fwht64_at]
-
-
 # --8<-- [start:hadamard_kernel]
 @cuda.jit
 def hadamard_kernel(x,    # (rows, 64) float32

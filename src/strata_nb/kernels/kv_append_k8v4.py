@@ -1,11 +1,5 @@
 """KV append for k8v4: K as int8, rotated V as q4_0, through the two single-format writers.
 
-It takes V as the layer computed it and rotates it itself (hadamard.py): the reference
-with `hadamard_ref` before the q4_0 half, the kernel inside the q4_0 half's warps, where
-each lane makes the rotated values it quantizes with `fwht64_at` (the transform's own
-additions, so the same bits). A decode step then has no Hadamard launch for V: 30
-launches, 56 us of a k8v4 step's GPU time on the H200 (docs/measured/bench_pool).
-
 k8v4 has no quantizer of its own. Its K half goes through kv_append_q8 and its V half
 through kv_append_q4. Each of those writes a K side and a V side and tests the K-side
 host array for presence; a k8v4 half has only one side, so each half is passed FOLDED:
@@ -45,7 +39,6 @@ import numpy as np
 from numba import cuda
 
 from strata_nb.kernels.block_bounds import block_bounds_ref, bounds_launch, bounds_thread
-from strata_nb.kernels.hadamard import hadamard_ref
 from strata_nb.kernels.kv_append_q4 import append_q4_warp, kv_append_q4_ref, q4_launch
 from strata_nb.kernels.kv_append_q8 import append_q8_warp, kv_append_q8_ref, q8_launch
 from strata_nb.kernels.launch import THREADS, DeviceArgs, absent, grid_for
@@ -55,8 +48,7 @@ from strata_nb.kernels.reduce import WARP
 # --8<-- [start:append_halves]
 def append_halves(append_q8, append_q4,  # the q8 and q4 writers: both refs or both kernels
                   k,           # (n, n_kv, head_dim) float32, roped
-                  v_rot,       # (n, n_kv, head_dim) float32: V rotated (the ref), or V that the
-                               #   kernel's q4_0 warps rotate as they read it
+                  v_rot,       # (n, n_kv, head_dim) float32, Hadamard-rotated
                   positions,   # (n,) int32 absolute cell positions
                   page_table,  # (n_logical_blocks,) int32 slot, -1 = not resident
                   pool,        # {"k_q", "k_s", "v_q4"}: the VRAM pool, by slot
@@ -78,10 +70,10 @@ def append_halves(append_q8, append_q4,  # the q8 and q4 writers: both refs or b
 # --8<-- [end:append_halves]
 
 
-def kv_append_k8v4_ref(k, v, positions, page_table, pool, host, *, fold_v_half=True, bounds=None):
-    """The k8v4 append with the NumPy writers; v is rotated here; pool and host are written
-    in place. bounds: QSA's (kmin, kmax) of K, updated as block_bounds does, or None."""
-    append_halves(kv_append_q8_ref, kv_append_q4_ref, k, hadamard_ref(v), positions, page_table,
+def kv_append_k8v4_ref(k, v_rot, positions, page_table, pool, host, *, fold_v_half=True, bounds=None):
+    """The k8v4 append with the NumPy writers; pool and host are written in place.
+    bounds: QSA's (kmin, kmax) of K, updated as block_bounds does, or None."""
+    append_halves(kv_append_q8_ref, kv_append_q4_ref, k, v_rot, positions, page_table,
                   pool, host, fold_v_half)
     if bounds is not None:
         block_bounds_ref(k, positions, *bounds)
@@ -94,8 +86,7 @@ def kv_append_k8v4_kernel(q8_warps,        # int32: warps of the K half; the V h
                           k8_k, k8_v, k8_pos, k8_table, k_q, k_s, k_q_v, k_s_v,  # append_q8_warp's arrays:
                           k8_host_q, k8_host_s, k8_host_q_v, k8_host_s_v,        # the K half, folded
                           v4_k, v4_v, v4_pos, v4_table, v_q4, v_d, v_q4_v, v_d_v,  # append_q4_warp's
-                          v4_host_q4, v4_host_d, v4_host_q4_v, v4_host_d_v,        # arrays: the V half,
-                                                                                   # rotated by its warps
+                          v4_host_q4, v4_host_d, v4_host_q4_v, v4_host_d_v,        # arrays: the V half
                           kmin, kmax):  # QSA's bounds of K (block_bounds), or (0, ...) when not kept
     thread = cuda.grid(1)
     if thread >= append_threads:  # thread blocks of their own (no warp reduction there): the bounds
@@ -108,17 +99,17 @@ def kv_append_k8v4_kernel(q8_warps,        # int32: warps of the K half; the V h
         append_q8_warp(unit, lane, k8_k, k8_v, k8_pos, k8_table, k_q, k_s, k_q_v, k_s_v,
                        k8_host_q, k8_host_s, k8_host_q_v, k8_host_s_v)
     else:
-        append_q4_warp(unit - q8_warps, lane, 1, v4_k, v4_v, v4_pos, v4_table, v_q4, v_d, v_q4_v, v_d_v,
+        append_q4_warp(unit - q8_warps, lane, v4_k, v4_v, v4_pos, v4_table, v_q4, v_d, v_q4_v, v_d_v,
                        v4_host_q4, v4_host_d, v4_host_q4_v, v4_host_d_v)
 # --8<-- [end:kv_append_k8v4_kernel]
 
 
-def kv_append_k8v4(k, v, positions, page_table, pool, host, *, fold_v_half=True, bounds=None):
-    """The k8v4 append with the kernels: V's rotation, both halves and the bounds in one
-    launch; pool, host and bounds are written in place."""
-    halves = {}  # the V half gets v unrotated: its warps rotate it
+def kv_append_k8v4(k, v_rot, positions, page_table, pool, host, *, fold_v_half=True, bounds=None):
+    """The k8v4 append with the kernels, both halves and the bounds in one launch; pool,
+    host and bounds are written in place."""
+    halves = {}
     append_halves(lambda *a: halves.setdefault("q8", a), lambda *a: halves.setdefault("q4", a),
-                  k, v, positions, page_table, pool, host, fold_v_half)
+                  k, v_rot, positions, page_table, pool, host, fold_v_half)
     with DeviceArgs() as dev:
         q8_lanes, q8_args = q8_launch(dev, *halves["q8"])
         q4_lanes, q4_args = q4_launch(dev, *halves["q4"])

@@ -3,10 +3,8 @@
 The same writer as kv_append_fp16.py (read its docstring first): VRAM slot if resident,
 host copy if present, presence tested on the K-side host array (`host_k_q4`) alone. Each
 warp quantizes one 32-value block_q4_0 of one head of one cell, for K or for V, with
-quant_q4_0's device function (a lane per value), and writes it into each destination.
-The values arrive already rotated (hadamard.py): for q4_0 rotating is the writer's step
-before this kernel. k8v4's launch runs the same warp body with `rotate` set, and each
-lane then rotates the values it needs itself (`fwht64_at`).
+quant_q4_0's device function (a lane per value), and writes it into each destination. The values arrive already
+rotated (hadamard.py): rotating is the caller's step, so this kernel only quantizes.
 
 k8v4 calls this with its V half FOLDED: `k_q4 = v_q4 = pool.v_q4`, `host_k_q4 =
 host_v_q4 = host.v_q4`, `k_new = v_new = v_rot`. Passed unfolded, with only `host_v_q4`
@@ -50,7 +48,6 @@ def kv_append_q4_ref(k_new,       # (n, n_kv, head_dim) float32, rotated
 # --8<-- [start:kv_append_q4_kernel]
 @cuda.jit(device=True)
 def append_q4_warp(unit, lane,      # this warp's index among the launch's q4 warps, its lane
-                   rotate,          # 1: k_new, v_new arrive unrotated and are rotated here
                    k_new, v_new,    # (n, n_kv, head_dim) float32
                    positions,       # (n,) int32
                    page_table,      # (n_logical_blocks,) int32
@@ -71,7 +68,7 @@ def append_q4_warp(unit, lane,      # this warp's index among the launch's q4 wa
     i, h, g = rest // (n_kv * groups), rest // groups % n_kv, rest % groups
     block, cell = positions[i] // BLOCK, positions[i] % BLOCK
     slot = page_table[block]
-    byte, d = quantize_q4_0_lane(k_new[i, h] if side == 0 else v_new[i, h], g, lane, rotate)
+    byte, d = quantize_q4_0_lane(k_new[i, h] if side == 0 else v_new[i, h], g, lane)
     at = g * Q4_BYTES + 2 + lane  # code byte `lane` of block g
     if writes and slot >= 0:
         q4, q4_d = (k_q4, k_d) if side == 0 else (v_q4, v_d)
@@ -90,7 +87,7 @@ def append_q4_warp(unit, lane,      # this warp's index among the launch's q4 wa
 @cuda.jit
 def kv_append_q4_kernel(k_new, v_new, positions, page_table, k_q4, k_d, v_q4, v_d,
                         host_k_q4, host_k_d, host_v_q4, host_v_d):  # append_q4_warp's arrays
-    append_q4_warp(cuda.grid(1) // WARP, cuda.threadIdx.x % WARP, 0, k_new, v_new, positions, page_table,
+    append_q4_warp(cuda.grid(1) // WARP, cuda.threadIdx.x % WARP, k_new, v_new, positions, page_table,
                    k_q4, k_d, v_q4, v_d, host_k_q4, host_k_d, host_v_q4, host_v_d)
 # --8<-- [end:kv_append_q4_kernel]
 

@@ -28,7 +28,6 @@ import numpy as np
 from numba import config, cuda, float32
 from numba.core.types import float16
 
-from strata_nb.kernels.hadamard import fwht64_at
 from strata_nb.kernels.launch import DeviceArgs, device_empty, grid_for, is_host_numpy
 from strata_nb.kernels.quant_int8 import sanitize, sanitize_ref
 from strata_nb.kernels.reduce import warp_max
@@ -112,16 +111,9 @@ def quantize_q4_0_group(x,     # (head_dim,) float32: one head row
 
 
 @cuda.jit(device=True)
-def value_of(x, j, rotate):
-    """x[j], sanitized; with rotate, value j of the Hadamard-rotated row (hadamard.py)."""
-    return sanitize(fwht64_at(x, j) if rotate else x[j])
-
-
-@cuda.jit(device=True)
-def quantize_q4_0_lane(x,       # (head_dim,) float32: one head row
-                       g,       # which 32-value block of the row
-                       lane,    # this lane of the warp that quantizes the block
-                       rotate):  # 1: quantize the Hadamard-rotated row (x is unrotated), 0: x itself
+def quantize_q4_0_lane(x,     # (head_dim,) float32: one head row
+                       g,     # which 32-value block of the row
+                       lane):  # this lane of the warp that quantizes the block
     """A warp quantizes one block: lane l takes value l. Returns the lane's code byte
     (for lanes 0..15: value l in the low nibble, value l + 16 in the high one; the other
     lanes' is unused) and the block's fp16 d. `big` is the value of the first lane whose
@@ -129,12 +121,12 @@ def quantize_q4_0_lane(x,       # (head_dim,) float32: one head row
     is a max over -lane. It is read again from x, so a -0.0 keeps its sign. Every lane
     of the warp must call it together."""
     base = g * Q4_GROUP
-    v = value_of(x, base + lane, rotate)
+    v = sanitize(x[base + lane])
     largest = warp_max(abs(v))
     first = int(-warp_max(float32(-lane) if abs(v) == largest else float32(-Q4_GROUP)))
-    d = value_of(x, base + first, rotate) / float32(-8.0)
+    d = sanitize(x[base + first]) / float32(-8.0)
     inv_d = float32(1.0) / d if d != 0 else float32(0.0)
-    high = q4_code(value_of(x, base + (lane + HALF) % Q4_GROUP, rotate), inv_d)
+    high = q4_code(sanitize(x[base + (lane + HALF) % Q4_GROUP]), inv_d)
     return q4_code(v, inv_d) | (high << 4), float16(d)  # float32 -> fp16, round to nearest even
 
 
