@@ -25,12 +25,13 @@ from __future__ import annotations
 import numpy as np
 from numba import config, cuda, float32
 
+# the shapes compiled in (make_block_scores_kernel): the step attention's head_dims and
+# query heads per KV head, so a model the step takes is one QSA can score
+from strata_nb.kernels.attention_step import HEAD_DIMS, MAX_GROUP
 from strata_nb.kernels.launch import DeviceArgs, expect, stream
 from strata_nb.kernels.reduce import NEG_INF, WARP, warp_sum
 
 SCORE_WARPS = 1 if config.ENABLE_CUDASIM else 4  # pairs a thread block scores, a warp each
-HEAD_DIMS = (32, 64, 128)  # the shapes compiled in (make_block_scores_kernel)
-MAX_GROUP = 8  # query heads per KV head
 MAX_KV = 8  # KV heads
 
 

@@ -116,8 +116,9 @@ def kv_append_k8v4(k, v_rot, positions, page_table, pool, host, *, fold_v_half=T
         if not q8_lanes:  # both halves have cells, or neither
             return
         append_threads = -(-(q8_lanes + q4_lanes) // THREADS) * THREADS
-        if bounds is None:
-            bounds_threads, kmin, kmax = 0, *(absent((0,) + tuple(k.shape[1:]), np.float32),) * 2
+        if bounds is None:  # no QSA: no bounds threads, and size-0 arrays for the kernel's signature
+            bounds_threads, kmin = 0, absent((0,) + tuple(k.shape[1:]), np.float32)
+            kmax = kmin
         else:
             blocks, group, (_, _, kmin, kmax) = bounds_launch(dev, k, positions, *bounds)
             bounds_threads = blocks * group

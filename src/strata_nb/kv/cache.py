@@ -282,10 +282,11 @@ class KVCache:
         if not self._device_newer:
             return
         self._device_newer = False
-        if self.streamed:
-            for L in self.layers:
-                L.slots.page_table[:] = self.be.to_numpy(L.page_table)
-                L.slots.slot_block[:] = self.be.to_numpy(L.slot_block)
+        if self.streamed:  # every layer's maps in one copy each: they are rows of self.maps
+            page_tables, slot_blocks = (self.be.to_numpy(m) for m in self.maps)
+            for L, page_table, slot_block in zip(self.layers, page_tables, slot_blocks):
+                L.slots.page_table[:] = page_table
+                L.slots.slot_block[:] = slot_block
             looked, missing, selections = (int(c) for c in self.be.to_numpy(self.step.counts))
             self._counters.lookups += looked
             self._counters.misses += missing
