@@ -15,7 +15,8 @@ from strata_nb.backend.numpy_backend import NumpyBackend
 from strata_nb.kernels.argmax import SPAN as ARGMAX_SPAN, THREADS as ARGMAX_THREADS, argmax, argmax_ref
 from strata_nb.kernels.embed import embed, embed_ref
 from strata_nb.kernels.matmul import matmul, matmul_ref
-from strata_nb.kernels.matvec import dot_tolerance, fused_tolerance, matvec, matvec_ref
+from strata_nb.kernels.matvec import (AHEAD, SECTOR, dot_tolerance, fused_tolerance, matvec, matvec_grid,
+                                     matvec_ref, read_ahead_ref)
 from strata_nb.kernels.reduce import warp_max, warp_sum
 from strata_nb.kernels.residual import residual, residual_ref
 from strata_nb.kernels.rmsnorm import rmsnorm, rmsnorm_ref, rmsnorm_tolerance
@@ -114,6 +115,31 @@ def test_matvec_warps_split_a_row():
     matvec_ref(x, raw, "Q4_1", want)
     matvec(x, raw, "Q4_1", got, warps=3)
     assert_within(got, want, dot_tolerance(x, dequantize(raw, "Q4_1")))
+
+
+@pytest.mark.parametrize("n, kind", [(1, "normed"), (1, "gated"), (3, "add")])
+def test_matvec_reads_the_next_matrix_ahead(n, kind):
+    """`ahead`: every thread of the grid reads the first byte of its 32-byte sectors of the
+    next matrix's rows; XORed over the grid that is every sector's (read_ahead_ref), each
+    read once. And the product is the same bits as without: what is read ahead touches
+    no sum."""
+    rng = np.random.default_rng(21)
+    out, n_in = MATVEC_SHAPES[0]
+    raw = quantized(rng, "Q4_1", (out, n_in))
+    x = rng.standard_normal((n, 2 * n_in if kind == "gated" else n_in)).astype(np.float32)
+    kw = {"normed": dict(norm=np.ones(n_in, np.float32), eps=1e-5), "gated": dict(swiglu=True, add=True),
+          "add": dict(add=True)}[kind]
+    blocks, threads = matvec_grid(out, n_in)
+    # rows of 20 bytes (Q4_1 of 32 values): more sectors than AHEAD - 1 passes of the grid's
+    # threads, fewer than AHEAD; the last sector short
+    n_sectors = blocks * threads * (AHEAD - 1) + 3
+    nxt = rng.integers(0, 256, (-(-n_sectors * SECTOR // 20), 20), dtype=np.uint8)
+    plain, ahead = np.ones((n, out), np.float32), np.ones((n, out), np.float32)
+    matvec(x, raw, "Q4_1", plain, **kw)
+    read = np.zeros(blocks * threads, np.uint32)
+    matvec(x, raw, "Q4_1", ahead, **kw, ahead=cuda.to_device(nxt), ahead_out=read)
+    assert ahead.tobytes() == plain.tobytes()
+    assert np.bitwise_xor.reduce(read) == read_ahead_ref(nxt)
 
 
 def test_matvec_tolerance_catches_one_zeroed_scale():

@@ -32,6 +32,10 @@ class DeviceMatrix:
     raw: object  # (out, bytes_per_row) uint8 device array: the GGUF rows
 
 
+def _rows(matrix: DeviceMatrix | None):
+    return None if matrix is None else matrix.raw
+
+
 class CudaBackend:
     name = "cuda"
     # Prompt tokens per forward pass unless --prefill-chunk says otherwise: each launch
@@ -160,35 +164,38 @@ class CudaBackend:
 
     # A step (<= 8 rows) runs each of these as one matvec launch with the norm, the gate or
     # the add fused in; a prompt chunk runs the separate kernels, as NumpyBackend composes them.
-    def normed_matmul(self, x, norm, eps: float, w: DeviceMatrix):
+    # `ahead`: the matrix the step multiplies next. The matvec's threads read it into L2
+    # while they work (kernels/matvec.py: reading ahead), so the next launch finds it there.
+    def normed_matmul(self, x, norm, eps: float, w: DeviceMatrix, ahead: DeviceMatrix | None = None):
         if x.shape[0] > matvec.MAX_ROWS:
             return self.matmul(self.rmsnorm(x, norm, eps), w)
         y = device_empty((x.shape[0], w.shape[0]), np.float32)
-        matvec.matvec(x, w.raw, w.qtype, y, norm=norm, eps=eps)
+        matvec.matvec(x, w.raw, w.qtype, y, norm=norm, eps=eps, ahead=_rows(ahead))
         return y
 
-    def normed_matmul_rope(self, x, norm, eps: float, w: DeviceMatrix, cos, sin, n_heads: int, n_kv: int, hd: int):
+    def normed_matmul_rope(self, x, norm, eps: float, w: DeviceMatrix, cos, sin, n_heads: int, n_kv: int, hd: int,
+                           ahead: DeviceMatrix | None = None):
         # A decode step's q|k|v: one matvec with the norm before and RoPE after. q, k and v
         # are then views of its one output row. Several rows interleave the heads, so a
         # verify window or prompt chunk rotates with the separate kernel.
         if x.shape[0] != 1:
             return self.rope_qkv(self.normed_matmul(x, norm, eps, w), cos, sin, n_heads, n_kv, hd)
         qkv = device_empty((1, w.shape[0]), np.float32)
-        matvec.matvec(x, w.raw, w.qtype, qkv, norm=norm, eps=eps, rope=(cos, sin, n_heads, n_kv))
+        matvec.matvec(x, w.raw, w.qtype, qkv, norm=norm, eps=eps, rope=(cos, sin, n_heads, n_kv), ahead=_rows(ahead))
         edges = np.cumsum([0, n_heads * hd, n_kv * hd, n_kv * hd])
         return tuple(qkv[0, a:b].reshape(1, heads, hd)
                      for a, b, heads in zip(edges[:-1], edges[1:], (n_heads, n_kv, n_kv)))
 
-    def matmul_add_(self, x, a, w: DeviceMatrix):
+    def matmul_add_(self, x, a, w: DeviceMatrix, ahead: DeviceMatrix | None = None):
         if x.shape[0] > matvec.MAX_ROWS:
             return self.add_(x, self.matmul(a, w))
-        matvec.matvec(a, w.raw, w.qtype, x, add=True)
+        matvec.matvec(a, w.raw, w.qtype, x, add=True, ahead=_rows(ahead))
         return x
 
-    def gated_matmul_add_(self, x, gate_up, w: DeviceMatrix):
+    def gated_matmul_add_(self, x, gate_up, w: DeviceMatrix, ahead: DeviceMatrix | None = None):
         if x.shape[0] > matvec.MAX_ROWS:
             return self.add_(x, self.matmul(self.swiglu(gate_up), w))
-        matvec.matvec(gate_up, w.raw, w.qtype, x, swiglu=True, add=True)
+        matvec.matvec(gate_up, w.raw, w.qtype, x, swiglu=True, add=True, ahead=_rows(ahead))
         return x
     # --8<-- [end:cuda_ops]
 

@@ -104,20 +104,22 @@ class NumpyBackend:
         return x
 
     # The norm before a product, the gate and the residual add after one: the plain ops
-    # composed (the cuda backend fuses them into one kernel for a decode step).
-    def normed_matmul(self, x, norm, eps: float, w):
+    # composed (the cuda backend fuses them into one kernel for a decode step). `ahead`,
+    # the matrix a step multiplies next, is for the cuda backend (it reads it into the
+    # GPU's L2 meanwhile); a product here has nothing to do with it.
+    def normed_matmul(self, x, norm, eps: float, w, ahead=None):
         # rmsnorm(x) @ W.T
         return self.matmul(self.rmsnorm(x, norm, eps), w)
 
-    def normed_matmul_rope(self, x, norm, eps: float, w, cos, sin, n_heads: int, n_kv: int, hd: int):
+    def normed_matmul_rope(self, x, norm, eps: float, w, cos, sin, n_heads: int, n_kv: int, hd: int, ahead=None):
         # rmsnorm(x) @ Wqkv.T, then RoPE on its q and k heads -> q, k, v
         return self.rope_qkv(self.normed_matmul(x, norm, eps, w), cos, sin, n_heads, n_kv, hd)
 
-    def matmul_add_(self, x, a, w):
+    def matmul_add_(self, x, a, w, ahead=None):
         # x += a @ W.T, in place
         return self.add_(x, self.matmul(a, w))
 
-    def gated_matmul_add_(self, x, gate_up, w):
+    def gated_matmul_add_(self, x, gate_up, w, ahead=None):
         # x += swiglu(gate_up) @ W.T, in place
         return self.add_(x, self.matmul(self.swiglu(gate_up), w))
     # --8<-- [end:numpy_ops]

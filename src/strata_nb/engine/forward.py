@@ -5,6 +5,8 @@ The same code serves a prompt chunk (n tokens), a decode step (1) and a verify w
 norms, RoPE, the gate and the residual adds are named with the matrix products they come
 with (`normed_matmul`, `normed_matmul_rope`, `gated_matmul_add_`, `matmul_add_`): the cuda
 backend fuses each into its matvec for a step, one kernel launch instead of two or three.
+Each product is told the one after it (`ahead`): the cuda backend's matvec reads those
+weights into the GPU's L2 cache while it works, so the next one does not wait on HBM.
 """
 from __future__ import annotations
 
@@ -23,14 +25,16 @@ def forward(be, w: ModelWeights, kv, ids, positions, prompt: bool, all_logits: b
     x = be.embed(w.token_embd, be.asarray(ids))  # (n, d) the residual stream
     cos, sin = be.embed(w.rope_cos, pos), be.embed(w.rope_sin, pos)  # (n, hd/2)
     for layer, L in enumerate(w.layers):
+        after = w.layers[layer + 1].wqkv if layer + 1 < len(w.layers) else w.output  # the next product
         # q (n, n_heads, hd), k and v (n, n_kv, hd): the q|k|v product, its q and k roped
-        q, k, v = be.normed_matmul_rope(x, L.attn_norm, eps, L.wqkv, cos, sin, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim)
+        q, k, v = be.normed_matmul_rope(x, L.attn_norm, eps, L.wqkv, cos, sin, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
+                                        ahead=L.wo)
         kv.append(layer, positions, k, v, prompt)  # host copy + VRAM through the one writer
         a = kv.attend(layer, q, positions, prompt)  # (n, n_heads, hd)
-        be.matmul_add_(x, a.reshape(n, cfg.n_heads * cfg.head_dim), L.wo)  # x += a Wo
-        gate_up = be.normed_matmul(x, L.ffn_norm, eps, L.wgate_up)  # (n, 2 ff)
-        be.gated_matmul_add_(x, gate_up, L.wdown)  # x += swiglu(gate_up) Wdown
+        be.matmul_add_(x, a.reshape(n, cfg.n_heads * cfg.head_dim), L.wo, ahead=L.wgate_up)  # x += a Wo
+        gate_up = be.normed_matmul(x, L.ffn_norm, eps, L.wgate_up, ahead=L.wdown)  # (n, 2 ff)
+        be.gated_matmul_add_(x, gate_up, L.wdown, ahead=after)  # x += swiglu(gate_up) Wdown
     if not all_logits:
         x = x[n - 1:]
-    return be.normed_matmul(x, w.output_norm, eps, w.output)
+    return be.normed_matmul(x, w.output_norm, eps, w.output, ahead=w.layers[0].wqkv)  # the next step's first
 # --8<-- [end:forward]

@@ -53,6 +53,20 @@ waiting for its loads. The small matrices are bound by latency (0.2 to 1.8 MB in
 6 us), the head by bandwidth at about 500 GB/s, 16% of the device's copy rate: 2- and
 4-byte loads, where a repacked layout (codes apart from scales) would allow 16-byte ones.
 
+Reading ahead. A step reads 92 MiB of weights, more than the H200's L2 cache holds, so
+each matvec finds its weights in HBM ("cold"), and its blocks, each a short chain of
+loads, wait the longer trip. On the H200 (CUPTI, the kernel alone after a 256 MiB copy
+has flushed L2, against the same launch back to back) q|k|v took 5.2 us cold and 4.0
+hot, o 4.8 and 3.3, gate|up 6.1 and 5.2, down 6.0 and 4.5, the head 53.9 and 47.2. So
+every matvec is handed the matrix the step multiplies next (`ahead`: q|k|v -> o -> gate|up
+-> down -> the next layer's q|k|v or the head -> the next step's first q|k|v), and
+before its own loads each thread asks for the first byte of up to AHEAD 32-byte sectors
+of it (the unit L2 caches from HBM). It uses those bytes only after its own work, so
+they never hold it up, and by the next launch they are in L2. Read that way first, the
+same cold launches took 4.3, 4.0, 5.4, 5.2 and 48.1 us. The bytes go into a XOR that is
+written only when asked (`ahead_out`, the test's way in): a load whose value is never
+used would be dropped by the compiler.
+
 The per-type dequantizers are small device functions with one signature,
 `part(a, b, blk, p, w)`: a and b are two views of one weight row (see QTYPES), blk the
 32-value block, p the part (0..3), and w the part's 8 values, written. matmul.py
@@ -84,9 +98,9 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import config, cuda, float32, int64
+from numba import config, cuda, float32, int64, uint32
 
-from strata_nb.kernels.launch import DeviceArgs, expect, stream
+from strata_nb.kernels.launch import DeviceArgs, absent, expect, stream
 from strata_nb.kernels.quant_q4_0 import mul_rn
 from strata_nb.kernels.reduce import WARP, warp_sum
 from strata_nb.kernels.rmsnorm import inv_rms, rmsnorm_ref
@@ -108,6 +122,8 @@ MAX_WARPS, MAX_BLOCKS = (1, 1) if config.ENABLE_CUDASIM else (8, 16 * 132)
 SUM_WARPS = 8  # rows of the shared array the warps' sums meet in
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "F16": 64, "F32": 128}  # bytes per 32 values
 U = 2.0 ** -24  # float32 unit roundoff
+SECTOR = 32  # bytes: what L2 caches from HBM at a time
+AHEAD = 4  # sectors of the next matvec's rows each thread reads ahead (o's 13,824 threads: 1.8 MB)
 
 
 # --8<-- [start:matvec_ref]
@@ -328,7 +344,10 @@ def make_matvec_kernel(part, nibbles, load_x, store_y, normed, x_rows, rows, rop
                       cos,   # (n, hd/2) float32 with rope (each row's angles), else unused
                       sin,   # (n, hd/2) float32 with rope, else unused
                       rope_rows,  # int32 with rope: outputs before the v heads, rotated
-                      hd):   # int32 with rope: head_dim, a power of two
+                      hd,    # int32 with rope: head_dim, a power of two
+                      ahead,      # (bytes,) uint8: the next matvec's W, flat, read into L2; size 0 = none
+                      ahead_out,  # (threads of the grid,) uint32 with report, else (0,): what was read
+                      report):    # int32: 1 = each thread writes the XOR of the bytes it read ahead
         # A thread block takes `rows` rows of W at a time; its threads split the rows' parts
         # between them (thread t: parts t, t + threads, ...), so each has one or two parts
         # per row to load and the loads of all its rows are in flight together.
@@ -348,6 +367,15 @@ def make_matvec_kernel(part, nibbles, load_x, store_y, normed, x_rows, rows, rop
         # go out first, not after a block-wide reduction of x.
         for r in range(x_rows):
             squares[r] = float32(0.0)
+        # Ahead: before its own loads, each thread asks for the first byte of AHEAD 32-byte
+        # sectors of the next matvec's weights (the unit L2 caches from HBM), and uses them
+        # only after its own work, so they wait in L2 for that launch ("Reading ahead").
+        g = cuda.blockIdx.x * n_threads + t
+        n_sectors = (ahead.size + SECTOR - 1) // SECTOR
+        early = cuda.local.array(AHEAD, uint32)
+        for u in range(AHEAD):  # this thread's sectors: g, g + the grid's threads, ...
+            sector = g + u * cuda.gridDim.x * n_threads
+            early[u] = uint32(ahead[sector * SECTOR]) if sector < n_sectors else uint32(0)
         first_trip = True
         # Grid-stride over the rows of W, `rows` at a time: every thread of the block makes
         # the same trips, so each trip's reductions are reached by all of them. The strided
@@ -446,6 +474,11 @@ def make_matvec_kernel(part, nibbles, load_x, store_y, normed, x_rows, rows, rop
                 cuda.syncthreads()  # per_warp is read before the next trip writes it
             o0 += cuda.gridDim.x * rows
             first_trip = False
+        read = uint32(0)  # the bytes read ahead are used, or the compiler would drop their loads
+        for u in range(AHEAD):
+            read ^= early[u]
+        if report == 1:
+            ahead_out[g] = read
 
     return matvec_kernel
 
@@ -467,10 +500,31 @@ MATVEC_KERNELS = matvec_kernels(ROWS)
 # --8<-- [end:matvec_kernel]
 
 
-def matvec(x, raw, qtype, y, norm=None, eps=0.0, swiglu=False, add=False, rope=None, warps: int | None = None):
+# --8<-- [start:read_ahead_ref]
+def read_ahead_ref(ahead):  # (out, bytes) uint8: what matvec's `ahead` holds
+    """The XOR of the first byte of every 32-byte sector: what a launch's threads read
+    ahead, XORed over its grid, when the grid's threads cover every sector."""
+    return np.bitwise_xor.reduce(np.ascontiguousarray(ahead).reshape(-1)[::SECTOR].astype(np.uint32))
+# --8<-- [end:read_ahead_ref]
+
+
+def matvec_grid(n_out: int, n_in: int, warps: int | None = None) -> tuple[int, int]:
+    """(thread blocks, threads per block) of a matvec launch: `ROWS` rows of W per block
+    (grid-strided past MAX_BLOCKS), one part of each row per thread (at most MAX_WARPS)."""
+    warps = min(MAX_WARPS, -(-n_in // PART // WARP)) if warps is None else warps
+    assert 1 <= warps <= SUM_WARPS, f"{warps} warps per block; the kernel sums at most {SUM_WARPS}"
+    return min(-(-n_out // ROWS), MAX_BLOCKS), warps * WARP
+
+
+def matvec(x, raw, qtype, y, norm=None, eps=0.0, swiglu=False, add=False, rope=None, warps: int | None = None,
+           ahead=None, ahead_out=None):
     """Like matvec_ref, on the device, for 1..8 rows of x. NumPy arguments are moved (y is
     written back); device arguments are used in place. warps: per thread block (default:
-    one part of each row per thread, at most MAX_WARPS; tests set it under the simulator)."""
+    one part of each row per thread, at most MAX_WARPS; tests set it under the simulator).
+    ahead: the (out, bytes) uint8 rows of the matrix the next matvec reads, read into L2
+    meanwhile, up to AHEAD 32-byte sectors a thread; ahead_out: a uint32 array with a slot
+    per thread of the grid, given the XOR of the bytes each read (read_ahead_ref's, XORed
+    over the grid)."""
     expect("x", x, np.float32, (None, None))
     assert norm is None or not swiglu, "one prologue at a time: norm or swiglu"
     assert rope is None or not add, "one epilogue at a time: add or rope"
@@ -494,9 +548,8 @@ def matvec(x, raw, qtype, y, norm=None, eps=0.0, swiglu=False, add=False, rope=N
     if n == 0 or n_out == 0:
         return
     prologue = "normed" if norm is not None else ("gated" if swiglu else "plain")
-    blocks = min(-(-n_out // ROWS), MAX_BLOCKS)
-    warps = min(MAX_WARPS, -(-n_in // PART // WARP)) if warps is None else warps
-    assert 1 <= warps <= SUM_WARPS, f"{warps} warps per block; the kernel sums at most {SUM_WARPS}"
+    blocks, threads = matvec_grid(n_out, n_in, warps)
+    warps = threads // WARP
     x_rows = 1 if n == 1 else MAX_ROWS
     assert ROWS * x_rows <= warps * WARP, "a thread per output stores the sums"
     epilogue = "add" if add else ("rope" if rope is not None else "store")
@@ -508,7 +561,18 @@ def matvec(x, raw, qtype, y, norm=None, eps=0.0, swiglu=False, add=False, rope=N
             angles, rope_rows, hd = (x, x), 0, 0
         else:
             angles, rope_rows = (dev.read(cos), dev.read(sin)), (n_heads + n_kv) * hd
+        if ahead is None:
+            ahead = absent((0,), np.uint8)
+        else:
+            expect("ahead", ahead, np.uint8, (None, None))
+            ahead = dev.read(ahead)
+            ahead = ahead.reshape(ahead.size)
+        if ahead_out is None:
+            ahead_out, report = absent((0,), np.uint32), 0  # never written
+        else:
+            expect("ahead_out", ahead_out, np.uint32, (blocks * threads,))
+            ahead_out, report = dev.write(ahead_out), 1
         kernel = MATVEC_KERNELS[qtype, prologue, epilogue, x_rows]
         kernel[blocks, warps * WARP, stream()](
             x, norm, np.float32(eps), np.int32(n_in), a, b, dev.write(y),  # y is read too, with add
-            *angles, np.int32(rope_rows), np.int32(hd))
+            *angles, np.int32(rope_rows), np.int32(hd), ahead, ahead_out, np.int32(report))
