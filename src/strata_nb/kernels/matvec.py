@@ -549,9 +549,8 @@ def matvec(x, raw, qtype, y, norm=None, eps=0.0, swiglu=False, add=False, rope=N
         return
     prologue = "normed" if norm is not None else ("gated" if swiglu else "plain")
     blocks, threads = matvec_grid(n_out, n_in, warps)
-    warps = threads // WARP
     x_rows = 1 if n == 1 else MAX_ROWS
-    assert ROWS * x_rows <= warps * WARP, "a thread per output stores the sums"
+    assert ROWS * x_rows <= threads, "a thread per output stores the sums"
     epilogue = "add" if add else ("rope" if rope is not None else "store")
     with DeviceArgs() as dev:
         a, b = weight_views(dev.read(raw), qtype)
@@ -573,6 +572,6 @@ def matvec(x, raw, qtype, y, norm=None, eps=0.0, swiglu=False, add=False, rope=N
             expect("ahead_out", ahead_out, np.uint32, (blocks * threads,))
             ahead_out, report = dev.write(ahead_out), 1
         kernel = MATVEC_KERNELS[qtype, prologue, epilogue, x_rows]
-        kernel[blocks, warps * WARP, stream()](
+        kernel[blocks, threads, stream()](
             x, norm, np.float32(eps), np.int32(n_in), a, b, dev.write(y),  # y is read too, with add
             *angles, np.int32(rope_rows), np.int32(hd), ahead, ahead_out, np.int32(report))
