@@ -23,12 +23,9 @@ k, v = rng.standard_normal((2, 1, N_KV, HD), np.float32)  # one cell: (n=1, n_kv
 k[0, 0, 5] = 9.0  # one outlier in head 0 of K, as real K rows have
 
 for fmt in USER_FORMATS:
-    # The cache rotates before it writes (kv/cache.py, append); do the same here.
-    kk = hadamard_ref(k) if "k" in rotates(fmt) else k
-    vv = hadamard_ref(v) if "v" in rotates(fmt) else v
     pool = {a.field: np.zeros((1, N_KV, BLOCK, a.per_head), a.dtype) for a in pool_arrays(fmt, HD)}
     dest = KVDest(pool, np.zeros(1, np.int32), None)  # one block, resident in slot 0, no host copy
-    append_cells(be, fmt, dest, np.array([0], np.int32), kk, vv)  # position 0: block 0, cell 0
+    append_cells(be, fmt, dest, np.array([0], np.int32), k, v)  # position 0: block 0, cell 0; rotated inside
 
     total = 0
     print(f"{fmt}:")

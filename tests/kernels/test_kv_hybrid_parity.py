@@ -46,8 +46,8 @@ def append_windows(append, with_host=True, on_device=False, **kwargs):
     for first, n in WINDOWS:
         positions = np.arange(first, first + n, dtype=np.int32)
         k = rng.standard_normal((n, N_KV, HEAD_DIM), np.float32)
-        v_rot = rng.standard_normal((n, N_KV, HEAD_DIM), np.float32)
-        append(k, v_rot, positions, PAGE_TABLE, pool, host, **kwargs)
+        v = rng.standard_normal((n, N_KV, HEAD_DIM), np.float32)  # unrotated: the V half rotates it
+        append(k, v, positions, PAGE_TABLE, pool, host, **kwargs)
         written.extend(positions)
     if on_device:
         cuda.synchronize()  # kernels run asynchronously; mapped memory is read directly
@@ -120,7 +120,7 @@ def test_bounds_in_the_append_launch():
     rng, alone = np.random.default_rng(0), bounds()  # the same K, through block_bounds_ref alone
     for first, n in WINDOWS:
         k = rng.standard_normal((n, N_KV, HEAD_DIM), np.float32)
-        rng.standard_normal((n, N_KV, HEAD_DIM), np.float32)  # v_rot
+        rng.standard_normal((n, N_KV, HEAD_DIM), np.float32)  # v
         block_bounds_ref(k, np.arange(first, first + n, dtype=np.int32), *alone)
     assert alone[0].tobytes() == got[0].tobytes() and alone[1].tobytes() == got[1].tobytes()
     assert (got[1] >= got[0]).all() and (got[1] > got[0]).mean() > 0.9  # the windows widened them

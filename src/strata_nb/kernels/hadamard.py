@@ -17,6 +17,7 @@ import numpy as np
 from numba import cuda, float32
 
 from strata_nb.kernels.launch import DeviceArgs, device_empty, grid_for, is_host_numpy
+from strata_nb.kernels.reduce import warp_xor
 
 N = 64  # values per transform: one head row of the default model
 LOG_N = 6  # its rounds: N = 2 ** LOG_N
@@ -82,6 +83,26 @@ def fwht64_rows(rows, n_rows, width, t, n_threads):
     for e in range(t, n_rows * width, n_threads):
         rows[e // width, e % width] *= SCALE
     cuda.syncthreads()
+
+
+@cuda.jit(device=True)
+def fwht64_lanes(a, b, lane):
+    """A 64-value row held by one warp, two values a lane: a = row[lane], b = row[lane + 32]
+    -> the same two entries of the transformed row. Every lane of the warp calls it
+    together. Rounds h = 1..16 pair values in lanes whose index differs in bit h, so a
+    shuffle (warp_xor) brings the partner's value; the lane that holds the pair's lower
+    index keeps a + b, the other a - b (partner minus own). Round h = 32 pairs each
+    lane's own two values. fwht64's additions in its order: the same bits."""
+    for lg in range(LOG_N - 1):
+        h = 1 << lg
+        pa = warp_xor(a, h)
+        pb = warp_xor(b, h)
+        if lane & h:  # this lane holds j + h: the pair's second value
+            a, b = pa - a, pb - b
+        else:
+            a, b = a + pa, b + pb
+    a, b = a + b, a - b
+    return a * SCALE, b * SCALE
 # --8<-- [end:fwht64]
 
 

@@ -1,5 +1,10 @@
 """KV append for k8v4: K as int8, rotated V as q4_0, through the two single-format writers.
 
+V arrives as attention computed it, unrotated: the V half's warps rotate each head row
+themselves before they quantize it (kv_append_q4.py, `rotate`), so a k8v4 layer needs no
+Hadamard launch. `v_rotated=True` takes V already rotated instead (the writers' old way,
+kept so a test can show both give the same bytes).
+
 k8v4 has no quantizer of its own. Its K half goes through kv_append_q8 and its V half
 through kv_append_q4. Each of those writes a K side and a V side and tests the K-side
 host array for presence; a k8v4 half has only one side, so each half is passed FOLDED:
@@ -48,7 +53,8 @@ from strata_nb.kernels.reduce import WARP
 # --8<-- [start:append_halves]
 def append_halves(append_q8, append_q4,  # the q8 and q4 writers: both refs or both kernels
                   k,           # (n, n_kv, head_dim) float32, roped
-                  v_rot,       # (n, n_kv, head_dim) float32, Hadamard-rotated
+                  v,           # (n, n_kv, head_dim) float32
+                  rotate_v,    # True: v is unrotated and the q4 writer rotates it
                   positions,   # (n,) int32 absolute cell positions
                   page_table,  # (n_logical_blocks,) int32 slot, -1 = not resident
                   pool,        # {"k_q", "k_s", "v_q4"}: the VRAM pool, by slot
@@ -61,19 +67,21 @@ def append_halves(append_q8, append_q4,  # the q8 and q4 writers: both refs or b
               host["k_q"], host["k_s"], host["k_q"], host["k_s"])
     if fold_v_half:
         # V half, folded: the "K" lanes write V too, and the K-side host array is real.
-        append_q4(v_rot, v_rot, positions, page_table,
-                  pool["v_q4"], pool["v_q4"], host["v_q4"], host["v_q4"])
+        append_q4(v, v, positions, page_table,
+                  pool["v_q4"], pool["v_q4"], host["v_q4"], host["v_q4"], rotate_v)
     else:
         # The teaching fault: only the V-side host array; the K side looks absent.
-        append_q4(v_rot, v_rot, positions, page_table,
-                  pool["v_q4"], pool["v_q4"], np.empty((0,), np.uint8), host["v_q4"])
+        append_q4(v, v, positions, page_table,
+                  pool["v_q4"], pool["v_q4"], np.empty((0,), np.uint8), host["v_q4"], rotate_v)
 # --8<-- [end:append_halves]
 
 
-def kv_append_k8v4_ref(k, v_rot, positions, page_table, pool, host, *, fold_v_half=True, bounds=None):
+def kv_append_k8v4_ref(k, v, positions, page_table, pool, host, *, fold_v_half=True, bounds=None,
+                       v_rotated=False):
     """The k8v4 append with the NumPy writers; pool and host are written in place.
-    bounds: QSA's (kmin, kmax) of K, updated as block_bounds does, or None."""
-    append_halves(kv_append_q8_ref, kv_append_q4_ref, k, v_rot, positions, page_table,
+    bounds: QSA's (kmin, kmax) of K, updated as block_bounds does, or None.
+    v_rotated: v arrives Hadamard-rotated already (else the V half rotates it)."""
+    append_halves(kv_append_q8_ref, kv_append_q4_ref, k, v, not v_rotated, positions, page_table,
                   pool, host, fold_v_half)
     if bounds is not None:
         block_bounds_ref(k, positions, *bounds)
@@ -86,7 +94,7 @@ def kv_append_k8v4_kernel(q8_warps,        # int32: warps of the K half; the V h
                           k8_k, k8_v, k8_pos, k8_table, k_q, k_s, k_q_v, k_s_v,  # append_q8_warp's arrays:
                           k8_host_q, k8_host_s, k8_host_q_v, k8_host_s_v,        # the K half, folded
                           v4_k, v4_v, v4_pos, v4_table, v_q4, v_d, v_q4_v, v_d_v,  # append_q4_warp's
-                          v4_host_q4, v4_host_d, v4_host_q4_v, v4_host_d_v,        # arrays: the V half
+                          v4_host_q4, v4_host_d, v4_host_q4_v, v4_host_d_v, v4_rotate,  # arrays: the V half
                           kmin, kmax):  # QSA's bounds of K (block_bounds), or (0, ...) when not kept
     thread = cuda.grid(1)
     if thread >= append_threads:  # thread blocks of their own (no warp reduction there): the bounds
@@ -100,16 +108,17 @@ def kv_append_k8v4_kernel(q8_warps,        # int32: warps of the K half; the V h
                        k8_host_q, k8_host_s, k8_host_q_v, k8_host_s_v)
     else:
         append_q4_warp(unit - q8_warps, lane, v4_k, v4_v, v4_pos, v4_table, v_q4, v_d, v_q4_v, v_d_v,
-                       v4_host_q4, v4_host_d, v4_host_q4_v, v4_host_d_v)
+                       v4_host_q4, v4_host_d, v4_host_q4_v, v4_host_d_v, v4_rotate)
 # --8<-- [end:kv_append_k8v4_kernel]
 
 
-def kv_append_k8v4(k, v_rot, positions, page_table, pool, host, *, fold_v_half=True, bounds=None):
+def kv_append_k8v4(k, v, positions, page_table, pool, host, *, fold_v_half=True, bounds=None,
+                   v_rotated=False):
     """The k8v4 append with the kernels, both halves and the bounds in one launch; pool,
     host and bounds are written in place."""
     halves = {}
     append_halves(lambda *a: halves.setdefault("q8", a), lambda *a: halves.setdefault("q4", a),
-                  k, v_rot, positions, page_table, pool, host, fold_v_half)
+                  k, v, not v_rotated, positions, page_table, pool, host, fold_v_half)
     with DeviceArgs() as dev:
         q8_lanes, q8_args = q8_launch(dev, *halves["q8"])
         q4_lanes, q4_args = q4_launch(dev, *halves["q4"])

@@ -30,7 +30,7 @@ from numba.core.types import float16
 
 from strata_nb.kernels.launch import DeviceArgs, device_empty, grid_for, is_host_numpy
 from strata_nb.kernels.quant_int8 import sanitize, sanitize_ref
-from strata_nb.kernels.reduce import warp_max
+from strata_nb.kernels.reduce import warp_max, warp_take
 from strata_nb.kv.formats import Q4_BYTES, Q4_GROUP
 
 HALF = Q4_GROUP // 2  # 16: value j and value j + 16 share byte j
@@ -111,22 +111,20 @@ def quantize_q4_0_group(x,     # (head_dim,) float32: one head row
 
 
 @cuda.jit(device=True)
-def quantize_q4_0_lane(x,     # (head_dim,) float32: one head row
-                       g,     # which 32-value block of the row
+def quantize_q4_0_warp(v,      # this lane's value of the 32-value block: lane l holds value l
                        lane):  # this lane of the warp that quantizes the block
-    """A warp quantizes one block: lane l takes value l. Returns the lane's code byte
+    """A warp quantizes one block it holds, a value a lane. Returns the lane's code byte
     (for lanes 0..15: value l in the low nibble, value l + 16 in the high one; the other
     lanes' is unused) and the block's fp16 d. `big` is the value of the first lane whose
     |x| is the warp's largest, as argmax keeps the first of equals: the lowest such lane
-    is a max over -lane. It is read again from x, so a -0.0 keeps its sign. Every lane
+    is a max over -lane. It is taken from that lane, so a -0.0 keeps its sign. Every lane
     of the warp must call it together."""
-    base = g * Q4_GROUP
-    v = sanitize(x[base + lane])
+    v = sanitize(v)
     largest = warp_max(abs(v))
     first = int(-warp_max(float32(-lane) if abs(v) == largest else float32(-Q4_GROUP)))
-    d = sanitize(x[base + first]) / float32(-8.0)
+    d = warp_take(v, first) / float32(-8.0)
     inv_d = float32(1.0) / d if d != 0 else float32(0.0)
-    high = q4_code(sanitize(x[base + (lane + HALF) % Q4_GROUP]), inv_d)
+    high = q4_code(warp_take(v, (lane + HALF) % Q4_GROUP), inv_d)
     return q4_code(v, inv_d) | (high << 4), float16(d)  # float32 -> fp16, round to nearest even
 
 

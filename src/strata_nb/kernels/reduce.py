@@ -17,6 +17,10 @@ so both versions return the same bits: a kernel's result under the simulator is 
 result it gives on the GPU. The fallback's barrier is block-wide, which is why the
 contract asks every warp of the block, not just every lane of one warp, to call it.
 
+The same two versions give single shuffles: `warp_xor` (the value of the lane whose
+index differs in the given bits) and `warp_take` (the value of a given lane), for code
+that moves values between lanes itself (fwht64_lanes, quantize_q4_0_warp).
+
 The version is chosen once, at import, from `numba.config.ENABLE_CUDASIM`.
 
 Block-wide reductions (`block_sum`, `block_max`) are two warp steps through a shared
@@ -54,6 +58,16 @@ if not config.ENABLE_CUDASIM:
             x = max(x, cuda.shfl_xor_sync(FULL_MASK, x, offset))
             offset //= 2
         return x
+
+    @cuda.jit(device=True)
+    def warp_xor(x, offset):
+        """x: this lane's float32 -> the x of lane `lane ^ offset`, in this lane."""
+        return cuda.shfl_xor_sync(FULL_MASK, x, offset)
+
+    @cuda.jit(device=True)
+    def warp_take(x, src):
+        """x: this lane's float32 -> the x of lane `src`, in this lane."""
+        return cuda.shfl_sync(FULL_MASK, x, src)
 else:
     # Under the simulator these are plain Python, run by each simulated thread: they use
     # NumPy on the shared array directly, and keep per-thread state in a thread-local
@@ -91,6 +105,14 @@ else:
     @cuda.jit(device=True)
     def warp_max(x):
         return exchange(x).max()  # max is exact: any order gives the same value
+
+    @cuda.jit(device=True)
+    def warp_xor(x, offset):
+        return exchange(x)[cuda.threadIdx.x % WARP ^ offset]
+
+    @cuda.jit(device=True)
+    def warp_take(x, src):
+        return exchange(x)[src]
 # --8<-- [end:warp_reduce]
 
 

@@ -172,13 +172,10 @@ class KVCache:
     # ---- the two verbs the forward pass calls -------------------------------------------
     # --8<-- [start:append]
     def append(self, layer: int, positions, k, v, prompt: bool):
-        """k, v (n, n_kv, hd) float32 after RoPE, at `positions` (n,) -> the cache.
+        """k, v (n, n_kv, hd) float32 after RoPE, at `positions` (n,) -> the cache (the
+        writer rotates them where the format rotates).
 
         positions: NumPy int32, or a device array in a replayed decode step (DeviceStep)."""
-        if "k" in rotates(self.fmt):
-            k = self._hadamard(k)
-        if "v" in rotates(self.fmt):
-            v = self._hadamard(v)
         L = self.layers[layer]
         pos = self._on_device(positions)
         on_device = not isinstance(positions, np.ndarray)  # a replayed decode step

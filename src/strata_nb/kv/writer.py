@@ -28,8 +28,9 @@ def _absent(a) -> np.ndarray:
 
 # --8<-- [start:append_cells]
 def append_cells(be, fmt: str, dest: KVDest, positions, k, v, fault: str = "none", bounds=None):
-    """k, v (n, n_kv, hd) float32, rotated where the format rotates -> dest's pool and host copy.
-    bounds: QSA's (kmin, kmax) of K, kept at append time (kernels/block_bounds.py), or None."""
+    """k, v (n, n_kv, hd) float32 after RoPE -> dest's pool and host copy, rotated here
+    where the format rotates (formats.rotates). bounds: QSA's (kmin, kmax) of K, kept at
+    append time (kernels/block_bounds.py), or None."""
     pool, pt = dest.pool, dest.page_table
     h = (lambda f: dest.host[f]) if dest.host is not None else (lambda f: _absent(pool[f]))
     if fmt in ("fp16", "fp32"):
@@ -38,11 +39,14 @@ def append_cells(be, fmt: str, dest: KVDest, positions, k, v, fault: str = "none
         be.op("kv_append_q8")(k, v, positions, pt, pool["k_q"], pool["k_s"], pool["v_q"], pool["v_s"],
                               h("k_q"), h("k_s"), h("v_q"), h("v_s"))
     elif fmt == "q4_0":
+        # K and V rotated first, by the hadamard kernel: QSA keeps the bounds of the rotated
+        # K, the K that attention scores against the rotated query
+        k, v = be.op("hadamard")(k), be.op("hadamard")(v)
         be.op("kv_append_q4")(k, v, positions, pt, pool["k_q4"], pool["v_q4"], h("k_q4"), h("v_q4"))
     elif fmt == "k8v4":
         # two folded halves through the int8 and q4_0 kernels, and the bounds, in one launch
-        # (kernels/kv_append_k8v4.py); --fault drop-v-mirror passes the V half unfolded:
-        # its host write is silently skipped
+        # (kernels/kv_append_k8v4.py); the V half rotates V as it quantizes it.
+        # --fault drop-v-mirror passes the V half unfolded: its host write is silently skipped
         be.op("kv_append_k8v4")(k, v, positions, pt, pool, dest.host, fold_v_half=(fault != "drop-v-mirror"),
                                 bounds=bounds)
         bounds = None  # kept already
