@@ -81,6 +81,7 @@ def append_q4_warp(unit, lane,      # this warp's index among the launch's q4 wa
     i, h, g = rest // (n_kv * groups), rest // groups % n_kv, rest % groups
     block, cell = positions[i] // BLOCK, positions[i] % BLOCK
     slot = page_table[block]
+    # --8<-- [start:rotate_in_lanes]
     row = k_new[i, h] if side == 0 else v_new[i, h]
     if rotate:  # the 64 values that block g is half of, two a lane, rotated in the lanes
         first = g // 2 * HADAMARD_N
@@ -89,6 +90,7 @@ def append_q4_warp(unit, lane,      # this warp's index among the launch's q4 wa
     else:
         value = row[g * Q4_GROUP + lane]
     byte, d = quantize_q4_0_warp(value, lane)
+    # --8<-- [end:rotate_in_lanes]
     at = g * Q4_BYTES + 2 + lane  # code byte `lane` of block g
     if writes and slot >= 0:
         q4, q4_d = (k_q4, k_d) if side == 0 else (v_q4, v_d)
