@@ -33,6 +33,9 @@ from strata_nb.kernels.quant_int8 import sanitize, sanitize_ref
 from strata_nb.kernels.reduce import warp_max, warp_take
 from strata_nb.kv.formats import Q4_BYTES, Q4_GROUP
 
+if config.ENABLE_CUDASIM:
+    from strata_nb.kernels.reduce import exchange
+
 HALF = Q4_GROUP // 2  # 16: value j and value j + 16 share byte j
 D_STRIDE = Q4_BYTES // 2  # 9: float16 elements per block, d being the first
 
@@ -110,22 +113,37 @@ def quantize_q4_0_group(x,     # (head_dim,) float32: one head row
         q4[g * Q4_BYTES + 2 + j] = low | (high << 4)
 
 
-@cuda.jit(device=True)
-def quantize_q4_0_warp(v,      # this lane's value of the 32-value block: lane l holds value l
-                       lane):  # this lane of the warp that quantizes the block
-    """A warp quantizes one block it holds, a value a lane. Returns the lane's code byte
-    (for lanes 0..15: value l in the low nibble, value l + 16 in the high one; the other
-    lanes' is unused) and the block's fp16 d. `big` is the value of the first lane whose
-    |x| is the warp's largest, as argmax keeps the first of equals: the lowest such lane
-    is a max over -lane. It is taken from that lane, so a -0.0 keeps its sign. Every lane
-    of the warp must call it together."""
-    v = sanitize(v)
-    largest = warp_max(abs(v))
-    first = int(-warp_max(float32(-lane) if abs(v) == largest else float32(-Q4_GROUP)))
-    d = warp_take(v, first) / float32(-8.0)
-    inv_d = float32(1.0) / d if d != 0 else float32(0.0)
-    high = q4_code(warp_take(v, (lane + HALF) % Q4_GROUP), inv_d)
-    return q4_code(v, inv_d) | (high << 4), float16(d)  # float32 -> fp16, round to nearest even
+if not config.ENABLE_CUDASIM:
+    @cuda.jit(device=True)
+    def quantize_q4_0_warp(v,      # this lane's value of the 32-value block: lane l holds value l
+                           lane):  # this lane of the warp that quantizes the block
+        """A warp quantizes one block it holds, a value a lane. Returns the lane's code byte
+        (for lanes 0..15: value l in the low nibble, value l + 16 in the high one; the other
+        lanes' is unused) and the block's fp16 d. `big` is the value of the first lane whose
+        |x| is the warp's largest, as argmax keeps the first of equals: the lowest such lane
+        is a max over -lane. It is taken from that lane, so a -0.0 keeps its sign. Every lane
+        of the warp must call it together."""
+        v = sanitize(v)
+        largest = warp_max(abs(v))
+        first = int(-warp_max(float32(-lane) if abs(v) == largest else float32(-Q4_GROUP)))
+        d = warp_take(v, first) / float32(-8.0)
+        inv_d = float32(1.0) / d if d != 0 else float32(0.0)
+        high = q4_code(warp_take(v, (lane + HALF) % Q4_GROUP), inv_d)
+        return q4_code(v, inv_d) | (high << 4), float16(d)  # float32 -> fp16, round to nearest even
+
+else:
+    @cuda.jit(device=True)
+    def quantize_q4_0_warp(v, lane):
+        """Under the simulator each warp_max or warp_take is a block-wide barrier
+        (reduce.py): the lanes trade their sanitized values once (one exchange instead of
+        four) and each takes the same steps on the block: the largest |x|, the first lane
+        that has it, d, and its two codes."""
+        vals = exchange(sanitize(v))  # (32,) the block, sanitized by each lane as above
+        first = int(np.argmax(np.abs(vals)))  # argmax takes the first of equals
+        d = vals[first] / float32(-8.0)
+        inv_d = float32(1.0) / d if d != 0 else float32(0.0)
+        high = q4_code(vals[(lane + HALF) % Q4_GROUP], inv_d)
+        return q4_code(vals[lane], inv_d) | (high << 4), float16(d)
 
 
 @cuda.jit(device=True)
