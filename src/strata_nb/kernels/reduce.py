@@ -21,8 +21,8 @@ The same two versions give single shuffles: `warp_xor` (the value of the lane wh
 index differs in the given bits) and `warp_take` (the value of a given lane), for code
 that moves values between lanes itself (fwht64_lanes, quantize_q4_0_warp). Those two
 have simulator twins of their own that trade the warp's values once and replay the same
-steps: under the simulator every shuffle here is a barrier, and ten of them a rotation
-made a k8v4 prompt's append many times slower.
+steps: under the simulator every shuffle here is a barrier, and the ten of a rotation
+made the streamed-engine tests run far longer (docs/gpu.md, "V rotated in the append").
 
 The version is chosen once, at import, from `numba.config.ENABLE_CUDASIM`.
 
