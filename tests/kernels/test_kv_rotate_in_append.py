@@ -1,5 +1,5 @@
 """Rotating inside the append: a q4 warp that rotates its head row itself (kv_append_q4's
-`rotate`, fwht64_warp) writes the bytes that rotating first with the hadamard kernel
+`rotate`, fwht64_lanes) writes the bytes that rotating first with the hadamard kernel
 writes, in the pool and in the host copy. This is what lets k8v4's append drop its
 Hadamard launch without changing a byte of the cache."""
 import numpy as np

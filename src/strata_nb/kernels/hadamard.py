@@ -17,10 +17,12 @@ import numpy as np
 from numba import config, cuda, float32
 
 from strata_nb.kernels.launch import DeviceArgs, device_empty, grid_for, is_host_numpy
-from strata_nb.kernels.reduce import WARP, warp_xor
+from strata_nb.kernels.reduce import WARP
 
 if config.ENABLE_CUDASIM:
     from strata_nb.kernels.reduce import exchange
+else:
+    from strata_nb.kernels.reduce import warp_xor
 
 N = 64  # values per transform: one head row of the default model
 LOG_N = 6  # its rounds: N = 2 ** LOG_N

@@ -1,6 +1,6 @@
 """KV append for k8v4: K as int8, rotated V as q4_0, through the two single-format writers.
 
-V arrives as attention computed it, unrotated: the V half's warps rotate each head row
+V arrives as the q|k|v projection made it, unrotated: the V half's warps rotate each head row
 themselves before they quantize it (kv_append_q4.py, `rotate`), so a k8v4 layer needs no
 Hadamard launch. `v_rotated=True` takes V already rotated instead (the writers' old way,
 kept so a test can show both give the same bytes).

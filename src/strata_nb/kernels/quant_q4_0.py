@@ -30,11 +30,13 @@ from numba.core.types import float16
 
 from strata_nb.kernels.launch import DeviceArgs, device_empty, grid_for, is_host_numpy
 from strata_nb.kernels.quant_int8 import sanitize, sanitize_ref
-from strata_nb.kernels.reduce import warp_max, warp_take
+from strata_nb.kernels.reduce import warp_max
 from strata_nb.kv.formats import Q4_BYTES, Q4_GROUP
 
 if config.ENABLE_CUDASIM:
     from strata_nb.kernels.reduce import exchange
+else:
+    from strata_nb.kernels.reduce import warp_take
 
 HALF = Q4_GROUP // 2  # 16: value j and value j + 16 share byte j
 D_STRIDE = Q4_BYTES // 2  # 9: float16 elements per block, d being the first
@@ -134,10 +136,10 @@ if not config.ENABLE_CUDASIM:
 else:
     @cuda.jit(device=True)
     def quantize_q4_0_warp(v, lane):
-        """Under the simulator each warp_max or warp_take is a block-wide barrier
-        (reduce.py): the lanes trade their sanitized values once (one exchange instead of
-        four) and each takes the same steps on the block: the largest |x|, the first lane
-        that has it, d, and its two codes."""
+        """Under the simulator each shuffle would be a block-wide barrier (reduce.py): the
+        lanes trade their sanitized values once (one exchange instead of the GPU version's
+        two warp_max and two warp_take) and each takes the same steps on the block: the
+        largest |x|, the first lane that has it, d, and its two codes."""
         vals = exchange(sanitize(v))  # (32,) the block, sanitized by each lane as above
         first = int(np.argmax(np.abs(vals)))  # argmax takes the first of equals
         d = vals[first] / float32(-8.0)

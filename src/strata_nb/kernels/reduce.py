@@ -17,12 +17,13 @@ so both versions return the same bits: a kernel's result under the simulator is 
 result it gives on the GPU. The fallback's barrier is block-wide, which is why the
 contract asks every warp of the block, not just every lane of one warp, to call it.
 
-The same two versions give single shuffles: `warp_xor` (the value of the lane whose
-index differs in the given bits) and `warp_take` (the value of a given lane), for code
-that moves values between lanes itself (fwht64_lanes, quantize_q4_0_warp). Those two
-have simulator twins of their own that trade the warp's values once and replay the same
-steps: under the simulator every shuffle here is a barrier, and the ten of a rotation
-made the streamed-engine tests run far longer (docs/gpu.md, "V rotated in the append").
+On the GPU there are single shuffles too: `warp_xor` (the value of the lane whose index
+differs in the given bits) and `warp_take` (the value of a given lane), for code that
+moves values between lanes itself (fwht64_lanes, quantize_q4_0_warp). They have no
+simulator version: there each shuffle would be a barrier, and the ten of a rotation made
+the streamed-engine tests run far longer (docs/gpu.md, "V rotated in the append"), so
+those two functions have simulator twins that trade the warp's values once through
+`exchange` and replay the same steps.
 
 The version is chosen once, at import, from `numba.config.ENABLE_CUDASIM`.
 
@@ -108,14 +109,6 @@ else:
     @cuda.jit(device=True)
     def warp_max(x):
         return exchange(x).max()  # max is exact: any order gives the same value
-
-    @cuda.jit(device=True)
-    def warp_xor(x, offset):
-        return exchange(x)[cuda.threadIdx.x % WARP ^ offset]
-
-    @cuda.jit(device=True)
-    def warp_take(x, src):
-        return exchange(x)[src]
 # --8<-- [end:warp_reduce]
 
 

@@ -41,7 +41,8 @@ def append_cells(be, fmt: str, dest: KVDest, positions, k, v, fault: str = "none
     elif fmt == "q4_0":
         # K and V rotated first, by the hadamard kernel: QSA keeps the bounds of the rotated
         # K, the K that attention scores against the rotated query
-        k, v = be.op("hadamard")(k), be.op("hadamard")(v)
+        rotate = be.op("hadamard")
+        k, v = rotate(k), rotate(v)
         be.op("kv_append_q4")(k, v, positions, pt, pool["k_q4"], pool["v_q4"], h("k_q4"), h("v_q4"))
     elif fmt == "k8v4":
         # two folded halves through the int8 and q4_0 kernels, and the bounds, in one launch
