@@ -77,6 +77,15 @@ def rerun_and_read(run, out):
     return result
 
 
+def launcher(module):
+    """module.attention_step, given `ordered` only if it takes it (a version before the lone split)."""
+    import inspect
+
+    if "ordered" in inspect.signature(module.attention_step).parameters:
+        return module.attention_step
+    return lambda *args: module.attention_step(*args[:7])
+
+
 def attention_step_cases(versions: dict) -> None:
     from numba import cuda
 
@@ -93,8 +102,9 @@ def attention_step_cases(versions: dict) -> None:
             q_pos = cuda.to_device(np.array([depth - 1], np.int32))
 
             def run(module):
-                at.attention_step = module.attention_step  # the launcher attention() calls
-                at.attention(fmt, q, q_pos, blocks, page_table, kv, None, out, rotate_out=fmt == "k8v4")
+                at.attention_step = launcher(module)  # the launcher attention() calls
+                at.attention(fmt, q, q_pos, blocks, page_table, kv, None, out, rotate_out=fmt == "k8v4",
+                             ordered=True)  # as a step's list is
             side_by_side(f"{fmt}, one query at {depth} cells of a {listed}-block list (us)", versions, run,
                          rerun_and_read(run, out), 30)
 

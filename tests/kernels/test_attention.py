@@ -74,7 +74,7 @@ def test_splits_that_see_nothing_weigh_nothing(nan_records, q_pos, blocks, activ
     pool, host = filled_cache("k8v4", PAGE_TABLE, n_slots=4)
     q = np.random.default_rng(6).standard_normal((1, N_HEADS, HEAD_DIM), np.float32)
     args = ("k8v4", q, np.array([q_pos], np.int32), np.array([blocks], np.int32), PAGE_TABLE, pool, host)
-    got = run(lambda *a: attention(*a, per_split=1), *args)
+    got = run(lambda *a: attention(*a, per_split=1, ordered=False), *args)  # no lone split: every record
     np.testing.assert_allclose(got, run(attention_ref, *args), atol=ATOL, rtol=RTOL)
     assert not ticket_counters("attention_step", (1, N_KV)).copy_to_host().any()
 
@@ -176,3 +176,43 @@ def test_ref_is_the_same_bits_from_pool_or_host(fmt):
     assert np.isfinite(outs[0]).all()
     for out in outs[1:]:
         assert out.tobytes() == outs[0].tobytes()
+
+
+# ---- a lone split: the first split writes the output when no other sees a cell -----------
+
+def lone_case(fmt, q_pos, seed=8):
+    pool, host = filled_cache(fmt, PAGE_TABLE, n_slots=4)
+    q = np.random.default_rng(seed).standard_normal((1, N_HEADS, HEAD_DIM), np.float32)
+    return (fmt, q, np.array([q_pos], np.int32), np.array([np.arange(N_BLOCKS)], np.int32), PAGE_TABLE, pool, host)
+
+
+@pytest.mark.parametrize("fmt, q_pos, per_split", [
+    ("fp16", 5, 1), ("k8v4", 12, 1),   # the query's block alone in the first of six splits
+    ("fp16", 40, 4), ("k8v4", 63, 4),  # three and four blocks in the first split of two
+])
+def test_a_lone_split_gives_the_merges_bits(nan_records, fmt, q_pos, per_split):
+    """An ordered list whose cells all lie in its first split: that split writes the output
+    itself (k8v4 rotated there too), with the same bits as the records and the merge give
+    when the shortcut is off; the records are NaN, so the lone path reads none."""
+    args = lone_case(fmt, q_pos)
+    lone = run(lambda *a: attention(*a, per_split=per_split, rotate_out=fmt == "k8v4"), *args)
+    merged = run(lambda *a: attention(*a, per_split=per_split, rotate_out=fmt == "k8v4", ordered=False), *args)
+    assert lone.tobytes() == merged.tobytes()
+    want = run(lambda *a: attention_ref(*a, rotate_out=fmt == "k8v4"), *args)
+    np.testing.assert_allclose(lone, want, atol=ATOL, rtol=RTOL)
+    assert not ticket_counters("attention_step", (1, N_KV)).copy_to_host().any()
+
+
+def test_a_lone_split_trusts_the_order():
+    """The shortcut is taken on the list's word: a device list that claims to be ordered
+    but has a seen block after padding loses that block's cells (so the shortcut runs, and
+    the order matters); a NumPy list is looked at, and a false claim is refused."""
+    fmt, q, q_pos, _, page_table, pool, host = lone_case("int8", 40)
+    blocks = np.array([[0, -1, 1, 2]], np.int32)  # blocks 0..2 seen, block 0 alone in split 0
+    args = (fmt, q, q_pos, blocks, page_table, pool, host)
+    want = run(attention_ref, *args)
+    np.testing.assert_allclose(run(lambda *a: attention(*a, per_split=1), *args), want, atol=ATOL, rtol=RTOL)
+    claimed = run(lambda *a: attention(*a[:3], cuda.to_device(blocks), *a[4:], per_split=1, ordered=True), *args)
+    assert np.abs(claimed - want).max() > 100 * ATOL
+    with pytest.raises(AssertionError, match="does not ascend"):
+        run(lambda *a: attention(*a, per_split=1, ordered=True), *args)

@@ -89,6 +89,18 @@ def test_closing_early_leaves_one_step_run_past_the_last_pick(step):
     assert len(step.queued) == 9
 
 
+def test_seek_makes_the_next_run_start_there(step):
+    """After steps have run on, seek() puts the inputs back: the next run and run_ahead
+    decode from the position sought (how the profile times every mode from one place)."""
+    want = expected(7, 10, 5)
+    assert list(step.run_ahead(7, 10, 5)) == want
+    step.seek(7, 10)
+    assert step.next_input == (7, 10)
+    assert step.run(*step.next_input) == want[0]
+    step.seek(7, 10)
+    assert list(step.run_ahead(*step.next_input, 5)) == want
+
+
 def test_a_run_past_the_cache_fails_before_any_step(step):
     with pytest.raises(StrataError, match="position 64 is outside the KV cache's 64 cells"):
         list(step.run_ahead(1, 60, 5))

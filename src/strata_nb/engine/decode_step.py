@@ -105,6 +105,13 @@ class DeviceStep:
                 self._pick(at, done)
     # --8<-- [end:run_ahead]
 
+    def seek(self, token: int, pos: int):
+        """Make `token` at `pos` the next step's input: the next `run(*next_input)` or
+        `run_ahead(*next_input, n)` decodes from there (the profile measures every way of
+        running from one position)."""
+        self._write_inputs(token, pos)
+        self._next = (token, pos)
+
     def _check_position(self, pos: int):
         if not 0 <= pos < self.kv.n_blocks * BLOCK:  # the kernels do not bounds-check positions
             raise StrataError(f"position {pos} is outside the KV cache's {self.kv.n_blocks * BLOCK} cells")

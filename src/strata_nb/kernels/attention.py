@@ -122,7 +122,8 @@ def attention_ref(fmt,
                   pool,        # {field: (n_slots, n_kv, 16, per_head)} as formats.pool_arrays
                   host,        # {field: (n_logical_blocks, n_kv, 16, per_head)}, or None
                   out,         # (Q, H, D) float32, written
-                  rotate_out: bool = False):  # apply H to each output head row (a rotated V comes back)
+                  rotate_out: bool = False,  # apply H to each output head row (a rotated V comes back)
+                  ordered: bool | None = None):  # the launcher's hint (rows ascend); a set here
     check_format(fmt, FORMATS)
     # Unwritten cells may hold any bytes (NaN, inf, huge): they are masked out below, so
     # the warnings their arithmetic raises on the way are noise.
@@ -469,8 +470,16 @@ def tile_for(blocks, group: int, head_dim: int, n_q: int | None = None) -> int:
     return tile if bool(np.all((hi < 0) | (lo == hi))) else 1
 
 
+def ordered_rows(blocks: np.ndarray) -> bool:
+    """Does every row of a selection ascend, with its -1 padding at the end? all_blocks_upto's
+    and select_blocks' lists do; attention_ref reads any order, as a set."""
+    before, after = blocks[:, :-1], blocks[:, 1:]
+    return bool(np.all((after < 0) | ((before >= 0) & (after >= before))))
+
+
 def attention(fmt, q, q_pos, blocks, page_table, pool, host, out, rotate_out: bool = False,
-              per_split: int | None = None, combine_groups: int = COMBINE_GROUPS, tile: int | None = None):
+              per_split: int | None = None, combine_groups: int = COMBINE_GROUPS, tile: int | None = None,
+              ordered: bool | None = None):
     """Like attention_ref, on the device; NumPy arguments are moved (out written back).
 
     One query per thread block (a decode step, a verify window, queries whose selections
@@ -478,7 +487,11 @@ def attention(fmt, q, q_pos, blocks, page_table, pool, host, out, rotate_out: bo
     the combine. per_split: selected blocks per thread block (each kernel has its own
     default), combine_groups: thread rows merging the tiled kernel's splits, tile: queries
     per thread block (default tile_for's choice); tests set them to get many splits,
-    several rows and tiles under the simulator."""
+    several rows and tiles under the simulator. ordered: every row of `blocks` ascends with
+    its padding at the end, which lets the step kernel skip the merge for a query whose
+    cells all lie in its first split. None: a NumPy list is looked at, a device one taken
+    as unordered; True for a device list is the caller's word (a step's list); False
+    turns the shortcut off."""
     check_format(fmt, FORMATS)
     expect("q", q, np.float32, (None, None, None))
     n_q, n_heads, head_dim = q.shape
@@ -512,7 +525,11 @@ def attention(fmt, q, q_pos, blocks, page_table, pool, host, out, rotate_out: bo
                  *side_arrays(kind_k, "k", host, dev), *side_arrays(kind_v, "v", host, dev))
         args = (dev.read(q), dev.read(q_pos), dev.read(blocks), dev.read(page_table), score_scale(head_dim))
         if tile == 1:
-            attention_step(fmt, n_kv, args, sides, dev.write(out), rotate_out, per_split)
+            if isinstance(blocks, np.ndarray):  # looked at: None = as found, True = it must be
+                found = ordered_rows(blocks)
+                assert found or not ordered, "ordered=True, but a row of blocks does not ascend with its padding last"
+                ordered = found if ordered is None else ordered
+            attention_step(fmt, n_kv, args, sides, dev.write(out), rotate_out, per_split, bool(ordered))
             return
         assert head_dim in HEAD_DIMS, f"no prompt kernel for head_dim {head_dim} (built: {HEAD_DIMS})"
         if per_split is None:  # long prompt chunks have tiles enough to fill the GPU: fewer, longer splits

@@ -130,12 +130,33 @@ def make_attention_step_kernel(read_k, read_v, G, D, per_split):
     PARTS = score_parts(CELLS, D, G)
     SPAN = D // PARTS  # terms of a score's dot each of its PARTS threads adds
 
+    @cuda.jit(device=True)
+    def write_output(dots,     # [(lane * G + g) * D + d]: the head rows' sums, by lane
+                     total,    # [g]: each head's sum of weights
+                     merged,   # (MAX_GROUP, >= D) shared scratch
+                     out, i, kv_h, t, rotate):
+        """The lanes' sums added in lane order over each head's weight (0 with none),
+        rotated when asked, into out: the merge's end, and a lone split's."""
+        for e in range(t, G * D, N_THREADS):
+            g, d = e // D, e % D
+            x = float32(0.0)
+            for ls in range(LANES):
+                x += dots[(ls * G + g) * D + d]
+            merged[g, d] = x / total[g] if total[g] > 0 else float32(0.0)
+        cuda.syncthreads()
+        if rotate == 1:
+            fwht64_rows(merged, G, D, t, N_THREADS)
+        for e in range(t, G * D, N_THREADS):
+            g, d = e // D, e % D
+            out[i, kv_h * G + g, d] = merged[g, d]
+
     @cuda.jit
     def attention_step_kernel(q,           # (Q, G * n_kv, D) float32
                               q_pos,       # (Q,) int32
                               blocks,      # (Q, S) int32, -1 = padding
                               page_table,  # (n_logical_blocks,) int32
                               scale,       # float32: 1 / sqrt(D)
+                              ordered,     # int32: 1 = each row of blocks ascends, its -1 padding at the end
                               rotate,      # int32: 1 = apply H to each output head row
                               pool_ka, pool_kb, pool_va, pool_vb,  # K and V of the pool, by slot
                               host_ka, host_kb, host_va, host_vb,  # the same by logical block, or (0, ...)
@@ -153,6 +174,7 @@ def make_attention_step_kernel(read_k, read_v, G, D, per_split):
         dots = cuda.shared.array(SCORE_VALUES, float32)  # [(p * G + g) * CELLS + c] partial scores
         weights = cuda.shared.array((MAX_GROUP, MAX_SPLIT_CELLS), float32)  # exp weights, -1 = masked
         row = cuda.shared.array(MAX_SPLIT_BLOCKS, int32)  # column s is read at slot (or block) row[s]
+        alone = cuda.shared.array(1, int32)  # 1 = a lone split (below)
         from_host = cuda.shared.array(MAX_SPLIT_BLOCKS, int32)  # ... of the host copy when 1
         start = cuda.shared.array(MAX_SPLIT_BLOCKS, int32)  # its first cell's position, -1 = unseen
         top = cuda.shared.array(MAX_GROUP, float32)  # each head's max, then the merged max
@@ -162,6 +184,14 @@ def make_attention_step_kernel(read_k, read_v, G, D, per_split):
         acc = cuda.local.array(G, float32)  # this thread's sum for each head (registers: G is fixed)
         ahead = cuda.local.array((MERGE_UNROLL, G), float32)  # the merge's loads in flight
 
+        # A lone split: in an ordered list whose column per_split is unseen (padding, or
+        # after the query), no split but the first sees a cell. The others leave, and the
+        # first writes the output itself: no records, no ticket, no merge. Every thread
+        # block of the query reads that one column, beside its own, so all decide alike
+        # and none waits longer for its list.
+        if t == N_THREADS - 1:
+            b = blocks[i, per_split] if ordered == 1 and per_split < blocks.shape[1] else -1
+            alone[0] = 1 if ordered == 1 and (b < 0 or b * BLOCK > pos) else 0
         first = split * per_split
         for s in range(t, per_split, N_THREADS):
             b = blocks[i, first + s] if first + s < blocks.shape[1] else -1
@@ -171,6 +201,9 @@ def make_attention_step_kernel(read_k, read_v, G, D, per_split):
             row[s] = slot if slot >= 0 else b
             from_host[s] = 1 if slot < 0 else 0
         cuda.syncthreads()
+        lone = alone[0]
+        if lone == 1 and split > 0:
+            return  # the whole thread block, past its only barrier so far
 
         # A split that sees no cell (a replayed resident step lists every block of the
         # cache, so at a short context most splits are past the query) skips to its
@@ -268,6 +301,13 @@ def make_attention_step_kernel(read_k, read_v, G, D, per_split):
                 for g in range(G):
                     dots[(lc * G + g) * D + d] = acc[g]
             cuda.syncthreads()
+        if lone == 1:  # the V sums by lane are in dots, each head's sum of weights in total
+            if seen_any == 0:
+                for g in range(t, G, N_THREADS):
+                    total[g] = float32(0.0)  # no cell: the output is 0, as the merge gives
+                cuda.syncthreads()
+            write_output(dots, total, weights, out, i, kv_h, t, rotate)
+            return
         for e in range(t, G * D, N_THREADS):
             g, d = e // D, e % D
             x = float32(0.0)
@@ -337,19 +377,7 @@ def make_attention_step_kernel(read_k, read_v, G, D, per_split):
             for g in range(G):
                 dots[(ls * G + g) * D + d] = acc[g]
         cuda.syncthreads()
-        merged = weights  # the merged head rows: merged[g, d]
-        for e in range(t, G * D, N_THREADS):
-            g, d = e // D, e % D
-            x = float32(0.0)
-            for ls in range(LANES):
-                x += dots[(ls * G + g) * D + d]
-            merged[g, d] = x / total[g] if total[g] > 0 else float32(0.0)
-        cuda.syncthreads()
-        if rotate == 1:
-            fwht64_rows(merged, G, D, t, N_THREADS)
-        for e in range(t, G * D, N_THREADS):
-            g, d = e // D, e % D
-            out[i, kv_h * G + g, d] = merged[g, d]
+        write_output(dots, total, weights, out, i, kv_h, t, rotate)
 
     return attention_step_kernel
 # --8<-- [end:attention_step_kernel]
@@ -363,10 +391,12 @@ STEP_KERNELS = {(fmt, g, d, n): make_attention_step_kernel(READERS[k], READERS[v
                 for n in SPLIT_CHOICES if n <= split_fits(d)}
 
 
-def attention_step(fmt, n_kv, args, sides, out, rotate_out: bool, per_split: int | None):
+def attention_step(fmt, n_kv, args, sides, out, rotate_out: bool, per_split: int | None, ordered: bool = False):
     """Launch the step kernel; attention() has checked the arrays and moved them.
     args: (q, q_pos, blocks, page_table, scale), sides: the eight pool and host arrays
-    (attention.py: side_arrays), out: the device output. per_split None = the default."""
+    (attention.py: side_arrays), out: the device output. per_split None = the default.
+    ordered: every row of blocks ascends with its -1 padding at the end, so a query whose
+    cells all lie in its first split skips the merge (the kernel's lone split)."""
     q, blocks = args[0], args[2]
     n_q, n_heads, head_dim = q.shape
     group = n_heads // n_kv
@@ -380,5 +410,5 @@ def attention_step(fmt, n_kv, args, sides, out, rotate_out: bool, per_split: int
     assert group * n_splits <= K_TILE_VALUES, f"{n_splits} splits: raise per_split for the merge's weights"
     records = device_empty((n_q, n_kv, n_splits, group, record_width(head_dim)), np.float32)
     STEP_KERNELS[fmt, group, head_dim, per_split][(n_q, n_kv, n_splits), STEP_THREADS, stream()](
-        *args, np.int32(rotate_out), *sides, records,
+        *args, np.int32(ordered), np.int32(rotate_out), *sides, records,
         ticket_counters("attention_step", (n_q, n_kv)), out)

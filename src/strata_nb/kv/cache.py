@@ -227,8 +227,9 @@ class KVCache:
         # looks at a NumPy selection to put queries that share it in one thread block
         # rotate_out: attention mixed rotated V rows, so H (= H^-1) brings the output back,
         # applied by the kernel that writes it
+        # ordered: a step's device list ascends, -1 padded at the end, as NumPy ones do
         self._attention(self.fmt, q, self._on_device(positions), blocks, src.page_table,
-                        src.pool, src.host, out, rotate_out="v" in rotates(self.fmt))
+                        src.pool, src.host, out, rotate_out="v" in rotates(self.fmt), ordered=True)
         return out
     # --8<-- [end:attend]
 
