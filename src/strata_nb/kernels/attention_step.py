@@ -29,6 +29,14 @@ next launch or graph replay. One (query, KV head)'s records fill whole 128-byte 
 (RECORD_PAD), so the merging block cannot hold another group's line in its L1 from an
 earlier read: its loads see what the other blocks wrote.
 
+A lone split. Near an empty context only the first split sees a cell (a replayed step
+lists every block of the cache). When the list is ordered (ascending, -1 padding at the
+end: every list the engine makes) and its column just after the first split is unseen,
+no later column is seen either: the other splits leave after their first barrier, and
+the first goes from its V sums straight to the merge's last stage (`write_output`), with
+no record, ticket or merge. The merge would have weighed its one record by exp(0) = 1
+and added zeros: the same bits.
+
 With `rotate`, the merging block also applies the Hadamard transform to each head row
 (hadamard.py's butterflies, one pair per thread per round, the same additions in the
 same order: the same bits as hadamard_ref on the output), which is how a rotated V comes
