@@ -96,3 +96,25 @@ def test_get_backend_picks_cuda_only_where_it_runs(monkeypatch):
     with pytest.raises(StrataError, match="--device cuda needs an NVIDIA GPU"):
         get_backend("cuda")
     assert isinstance(get_backend("auto"), NumpyBackend)
+
+
+def test_a_model_or_context_past_the_step_kernels_stops_before_any_launch():
+    """check_model refuses what the step attention is not built for, with the range: a
+    head_dim it has no kernel for, and a --max-context whose list has more splits than the
+    merge keeps weights for. max_cells is exactly that bound: one block more and the
+    launcher's assertion would fire at the first step."""
+    from types import SimpleNamespace
+
+    from strata_nb.kernels import attention_step as st
+    from strata_nb.kv.formats import BLOCK
+
+    be, cfg = CudaBackend(), SimpleNamespace(head_dim=64, n_heads=8, n_kv_heads=2)
+    most = st.max_cells(64, 4)
+    be.check_model(cfg, qsa=False, max_context=most)
+    with pytest.raises(StrataError, match=f"at most {most:,} cells .*--max-context is {most + 1:,}"):
+        be.check_model(cfg, qsa=False, max_context=most + 1)
+    with pytest.raises(StrataError, match="built for head_dim"):
+        be.check_model(SimpleNamespace(head_dim=96, n_heads=8, n_kv_heads=2), qsa=False)
+    per_split = min(st.STEP_BLOCKS_PER_SPLIT, st.split_fits(64))
+    assert st.padded_splits(most // BLOCK, per_split, 64, 4) * 4 <= st.K_TILE_VALUES
+    assert st.padded_splits(most // BLOCK + 1, per_split, 64, 4) * 4 > st.K_TILE_VALUES

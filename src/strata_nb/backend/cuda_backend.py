@@ -70,10 +70,11 @@ class CudaBackend:
         for the GPU to finish its queue, so mid-pass frees keep the host from running ahead."""
         return cuda.defer_cleanup()
 
-    def check_model(self, cfg, qsa: bool):
+    def check_model(self, cfg, qsa: bool, max_context: int = 0):
         """The step kernels are compiled for a range of shapes (head_dim, query heads per KV
-        head, and KV heads for QSA's scores): a model outside it stops here, with the
-        range, and not at its first launch."""
+        head, and KV heads for QSA's scores), and a step's merge holds a bounded number of
+        splits: a model or a context outside them stops here, with the range, and not at
+        its first launch."""
         from ..kernels import attention_step, block_scores
 
         group = cfg.n_heads // cfg.n_kv_heads
@@ -81,6 +82,11 @@ class CudaBackend:
             raise StrataError(f"the cuda backend's attention is built for head_dim in {attention_step.HEAD_DIMS} "
                               f"and at most {attention_step.MAX_GROUP} query heads per KV head; this model has "
                               f"head_dim {cfg.head_dim} and {group} (use --device cpu)")
+        most = attention_step.max_cells(cfg.head_dim, group)
+        if max_context > most:
+            raise StrataError(f"the cuda backend's step attention takes at most {most:,} cells for this model's heads "
+                              f"({group} query heads per KV head of {cfg.head_dim}); --max-context is {max_context:,} "
+                              f"(lower it, or use --device cpu)")
         if qsa and cfg.n_kv_heads > block_scores.MAX_KV:
             raise StrataError(f"the cuda backend's QSA scores are built for at most {block_scores.MAX_KV} KV heads; "
                               f"this model has {cfg.n_kv_heads} (run without --qsa-budget, or with --device cpu)")

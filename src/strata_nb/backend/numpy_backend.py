@@ -47,7 +47,7 @@ class NumpyBackend:
         """The cuda backend's scope for one forward pass; nothing to defer here."""
         return contextlib.nullcontext()
 
-    def check_model(self, cfg, qsa: bool):
+    def check_model(self, cfg, qsa: bool, max_context: int = 0):
         """The references take every shape the KV formats allow (kv/formats.py)."""
 
     def host_array(self, shape, dtype):

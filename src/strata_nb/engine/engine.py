@@ -56,7 +56,7 @@ class Engine:
         if settings.max_context > self.config.context_length:
             raise StrataError(f"--max-context {settings.max_context} exceeds the model's trained context "
                               f"of {self.config.context_length}")
-        be.check_model(self.config, qsa=settings.qsa_budget > 0)
+        be.check_model(self.config, qsa=settings.qsa_budget > 0, max_context=settings.max_context)
         if shared is not None:
             self.tokenizer, self.weights = shared.tokenizer, shared.weights
         else:

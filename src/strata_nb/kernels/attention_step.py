@@ -123,6 +123,15 @@ def padded_splits(n_columns: int, per_split: int, head_dim: int, group: int) -> 
     return -(-max(1, -(-n_columns // per_split)) // unit) * unit
 
 
+def max_cells(head_dim: int, group: int) -> int:
+    """The most cells one query's list may cover at the default split: the merge keeps a
+    weight per (head, split) in the K tile (K_TILE_VALUES), in whole merge rounds. The
+    backend checks --max-context against it (88,064 cells for the default model)."""
+    per_split = min(STEP_BLOCKS_PER_SPLIT, split_fits(head_dim))
+    unit = split_lanes(head_dim, group) * MERGE_UNROLL
+    return K_TILE_VALUES // group // unit * unit * per_split * BLOCK
+
+
 # --8<-- [start:attention_step_kernel]
 def make_attention_step_kernel(read_k, read_v, G, D, per_split):
     """The kernel for one format (how it reads a column of K and of V: kv_readers.py), G
