@@ -180,17 +180,26 @@ class CudaBackend:
         return y
 
     def normed_matmul_rope(self, x, norm, eps: float, w: DeviceMatrix, cos, sin, n_heads: int, n_kv: int, hd: int,
-                           ahead: DeviceMatrix | None = None):
-        # A decode step's q|k|v: one matvec with the norm before and RoPE after. q, k and v
-        # are then views of its one output row. Several rows interleave the heads, so a
-        # verify window or prompt chunk rotates with the separate kernel.
+                           ahead: DeviceMatrix | None = None, append=None):
+        # A decode step's q|k|v: one matvec with the norm before and RoPE after, and for
+        # fp16/fp32 cells the append in its epilogue. q, k and v are then views of its one
+        # output row. Several rows interleave the heads, so a verify window or prompt chunk
+        # rotates with the separate kernel, and appends with the writer's.
         if x.shape[0] != 1:
-            return self.rope_qkv(self.normed_matmul(x, norm, eps, w), cos, sin, n_heads, n_kv, hd)
-        qkv = device_empty((1, w.shape[0]), np.float32)
-        matvec.matvec(x, w.raw, w.qtype, qkv, norm=norm, eps=eps, rope=(cos, sin, n_heads, n_kv), ahead=_rows(ahead))
-        edges = np.cumsum([0, n_heads * hd, n_kv * hd, n_kv * hd])
-        return tuple(qkv[0, a:b].reshape(1, heads, hd)
-                     for a, b, heads in zip(edges[:-1], edges[1:], (n_heads, n_kv, n_kv)))
+            q, k, v = self.rope_qkv(self.normed_matmul(x, norm, eps, w), cos, sin, n_heads, n_kv, hd)
+        else:
+            qkv = device_empty((1, w.shape[0]), np.float32)
+            fused = append is not None and append.in_epilogue
+            matvec.matvec(x, w.raw, w.qtype, qkv, norm=norm, eps=eps, rope=(cos, sin, n_heads, n_kv),
+                          append=append.epilogue_args() if fused else None, ahead=_rows(ahead))
+            edges = np.cumsum([0, n_heads * hd, n_kv * hd, n_kv * hd])
+            q, k, v = (qkv[0, a:b].reshape(1, heads, hd)
+                       for a, b, heads in zip(edges[:-1], edges[1:], (n_heads, n_kv, n_kv)))
+            if fused:
+                return q, k, v
+        if append is not None:
+            append.write(self, k, v)
+        return q, k, v
 
     def matmul_add_(self, x, a, w: DeviceMatrix, ahead: DeviceMatrix | None = None):
         if x.shape[0] > matvec.MAX_ROWS:

@@ -111,9 +111,14 @@ class NumpyBackend:
         # rmsnorm(x) @ W.T
         return self.matmul(self.rmsnorm(x, norm, eps), w)
 
-    def normed_matmul_rope(self, x, norm, eps: float, w, cos, sin, n_heads: int, n_kv: int, hd: int, ahead=None):
-        # rmsnorm(x) @ Wqkv.T, then RoPE on its q and k heads -> q, k, v
-        return self.rope_qkv(self.normed_matmul(x, norm, eps, w), cos, sin, n_heads, n_kv, hd)
+    def normed_matmul_rope(self, x, norm, eps: float, w, cos, sin, n_heads: int, n_kv: int, hd: int, ahead=None,
+                           append=None):
+        # rmsnorm(x) @ Wqkv.T, then RoPE on its q and k heads -> q, k, v; k and v written
+        # to the cache when given where (kv/writer.py: Append)
+        q, k, v = self.rope_qkv(self.normed_matmul(x, norm, eps, w), cos, sin, n_heads, n_kv, hd)
+        if append is not None:
+            append.write(self, k, v)
+        return q, k, v
 
     def matmul_add_(self, x, a, w, ahead=None):
         # x += a @ W.T, in place

@@ -2,9 +2,10 @@
 
 The same code serves a prompt chunk (n tokens), a decode step (1) and a verify window
 (T <= 8); the backend `be` supplies the ops and the KV cache `kv` owns the K/V. The
-norms, RoPE, the gate and the residual adds are named with the matrix products they come
-with (`normed_matmul`, `normed_matmul_rope`, `gated_matmul_add_`, `matmul_add_`): the cuda
-backend fuses each into its matvec for a step, one kernel launch instead of two or three.
+norms, RoPE, the KV append, the gate and the residual adds are named with the matrix
+products they come with (`normed_matmul`, `normed_matmul_rope`, `gated_matmul_add_`,
+`matmul_add_`): the cuda backend fuses each into its matvec for a step, one kernel launch
+instead of two or three (the append for fp16/fp32 cells; quantized ones keep their kernel).
 Each product is told the one after it (`ahead`): the cuda backend's matvec reads those
 weights into the GPU's L2 cache while it works, so the next one does not wait on HBM.
 """
@@ -26,10 +27,10 @@ def forward(be, w: ModelWeights, kv, ids, positions, prompt: bool, all_logits: b
     cos, sin = be.embed(w.rope_cos, pos), be.embed(w.rope_sin, pos)  # (n, hd/2)
     for layer, L in enumerate(w.layers):
         after = w.layers[layer + 1].wqkv if layer + 1 < len(w.layers) else w.output  # the next product
-        # q (n, n_heads, hd), k and v (n, n_kv, hd): the q|k|v product, its q and k roped
+        # q (n, n_heads, hd), k and v (n, n_kv, hd): the q|k|v product, its q and k roped,
+        # k and v appended to the cache: host copy + VRAM through the one writer
         q, k, v = be.normed_matmul_rope(x, L.attn_norm, eps, L.wqkv, cos, sin, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
-                                        ahead=L.wo)
-        kv.append(layer, positions, k, v, prompt)  # host copy + VRAM through the one writer
+                                        ahead=L.wo, append=kv.append_to(layer, positions, prompt))
         a = kv.attend(layer, q, positions, prompt)  # (n, n_heads, hd)
         be.matmul_add_(x, a.reshape(n, cfg.n_heads * cfg.head_dim), L.wo, ahead=L.wgate_up)  # x += a Wo
         gate_up = be.normed_matmul(x, L.ffn_norm, eps, L.wgate_up, ahead=L.wdown)  # (n, 2 ff)

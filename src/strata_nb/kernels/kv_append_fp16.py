@@ -15,6 +15,10 @@ The value is cast to the pool's dtype (round to nearest even for fp16; nothing f
 the int8/q4_0 non-finite policy does not apply: fp16 stores inf and NaN as they are.
 `_ref` and the launcher take the same arguments and both write the given arrays in place.
 Positions within one call are distinct.
+
+The rule is one device function, `store_cell` (with `cell_home`, the lookup), called per
+value by this kernel and by the q|k|v matvec's epilogue, which writes a decode step's
+new fp16/fp32 cell in its own launch (matvec.py, "Appending in the epilogue").
 """
 from __future__ import annotations
 
@@ -45,6 +49,31 @@ def kv_append_fp16_ref(k_new,       # (n, n_kv, head_dim) float32
 
 
 # --8<-- [start:kv_append_fp16_kernel]
+@cuda.jit(device=True)
+def cell_home(position, page_table):
+    """Where the cell at `position` lives: (block, cell, slot), slot -1 = not resident."""
+    block, cell = position // BLOCK, position % BLOCK
+    return block, cell, page_table[block]
+
+
+@cuda.jit(device=True)
+def store_cell(side,        # 0: a K value, 1: a V value
+               h, j,        # its KV head and element
+               value,       # float32
+               block, cell, slot,  # cell_home's
+               k, v, host_k, host_v):
+    """The one writer's device body, for one value: the VRAM slot if the block is resident,
+    the host copy if there is one. The append kernel below calls it for every value, and so
+    does the q|k|v matvec of a decode step, whose epilogue writes the step's new cell itself
+    (kernels/matvec.py, "Appending in the epilogue")."""
+    if slot >= 0:
+        pool = k if side == 0 else v
+        pool[slot, h, cell, j] = value  # the store casts float32 to the pool's dtype
+    if host_k.shape[0] > 0:  # presence is tested on the K side only, for both sides
+        host = host_k if side == 0 else host_v
+        host[block, h, cell, j] = value
+
+
 @cuda.jit
 def kv_append_fp16_kernel(k_new, v_new,       # (n, n_kv, head_dim) float32
                           positions,          # (n,) int32
@@ -60,21 +89,15 @@ def kv_append_fp16_kernel(k_new, v_new,       # (n, n_kv, head_dim) float32
         return
     side, rest = lane // per_side, lane % per_side
     i, h, j = rest // (n_kv * head_dim), rest // head_dim % n_kv, rest % head_dim
-    block, cell = positions[i] // BLOCK, positions[i] % BLOCK
-    slot = page_table[block]
     value = k_new[i, h, j] if side == 0 else v_new[i, h, j]
-    if slot >= 0:
-        pool = k if side == 0 else v
-        pool[slot, h, cell, j] = value  # the store casts float32 to the pool's dtype
-    if host_k.shape[0] > 0:  # presence is tested on the K side only, for both sides
-        host = host_k if side == 0 else host_v
-        host[block, h, cell, j] = value
+    block, cell, slot = cell_home(positions[i], page_table)
+    store_cell(side, h, j, value, block, cell, slot, k, v, host_k, host_v)
 # --8<-- [end:kv_append_fp16_kernel]
 
 
-def kv_append_fp16(k_new, v_new, positions, page_table, k, v, host_k, host_v):
-    """Like kv_append_fp16_ref, on the device; NumPy arguments are moved and written back."""
-    n, n_kv, head_dim = expect_window(k_new, v_new, positions, page_table)
+def expect_dest(n_kv, head_dim, k, v, host_k, host_v):
+    """Check an fp16/fp32 destination (pool and host copy) for cells of n_kv heads of
+    head_dim; returns host_k, host_v with absent ones as size-0 arrays."""
     fmt = {np.dtype(np.float16): "fp16", np.dtype(np.float32): "fp32"}.get(np.dtype(k.dtype))
     assert fmt, f"k is {k.dtype}: this kernel writes fp16 or fp32 pools"
     spec_k, spec_v = pool_arrays(fmt, head_dim)
@@ -84,6 +107,13 @@ def kv_append_fp16(k_new, v_new, positions, page_table, k, v, host_k, host_v):
     host_v = host_or_absent("host_v", host_v, spec_v, n_kv)
     assert host_k.shape[0] == 0 or host_v.shape[0] > 0, \
         "host_k is present but host_v is absent: the V lanes would write outside host_v"
+    return host_k, host_v
+
+
+def kv_append_fp16(k_new, v_new, positions, page_table, k, v, host_k, host_v):
+    """Like kv_append_fp16_ref, on the device; NumPy arguments are moved and written back."""
+    n, n_kv, head_dim = expect_window(k_new, v_new, positions, page_table)
+    host_k, host_v = expect_dest(n_kv, head_dim, k, v, host_k, host_v)
     lanes = 2 * n * n_kv * head_dim
     if lanes == 0:
         return

@@ -67,6 +67,17 @@ same cold launches took 4.3, 4.0, 5.4, 5.2 and 48.1 us. The bytes go into a XOR 
 written only when asked (`ahead_out`, the test's way in): a load whose value is never
 used would be dropped by the compiler.
 
+Appending in the epilogue. A decode step's fp16/fp32 cells are only cast when they
+are stored, so the q|k|v matvec writes them itself (`append`, the "rope_append"
+epilogue): the thread that stores a roped k or v pair stores it into the new cell too,
+through kv_append_fp16's `store_cell`, the append kernel's own device body (VRAM slot
+if the block is resident, host copy if there is one). One launch fewer a layer: on the
+H200, with random weights of the default shapes, a step from 64 cells went from 1,135 to
+1,090 us (`kv_append_fp16` 66 us of kernel time gone; q|k|v 4.96 -> 5.66 us a launch in
+the step, CUPTI, for reasons not found: looking the cell's slot up early or touching its
+sector early did not help). The cell's position is loaded before the weights and its
+page-table entry after their loads are out, so neither holds them back.
+
 The per-type dequantizers are small device functions with one signature,
 `part(a, b, blk, p, w)`: a and b are two views of one weight row (see QTYPES), blk the
 32-value block, p the part (0..3), and w the part's 8 values, written. matmul.py
@@ -98,8 +109,9 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import config, cuda, float32, int64, uint32
+from numba import config, cuda, float32, int32, int64, uint32
 
+from strata_nb.kernels.kv_append_fp16 import cell_home, expect_dest, kv_append_fp16_ref, store_cell
 from strata_nb.kernels.launch import DeviceArgs, absent, expect, stream
 from strata_nb.kernels.quant_q4_0 import mul_rn
 from strata_nb.kernels.reduce import WARP, warp_sum
@@ -134,10 +146,13 @@ def matvec_ref(x,      # (n, in) float32; (n, 2 in) with swiglu: gate values, th
                norm=None, eps=0.0,  # (in,) float32: multiply rmsnorm(x, norm, eps) instead of x
                swiglu=False,        # multiply swiglu(x) instead of x
                add=False,           # y += x @ W.T instead of y = x @ W.T
-               rope=None):          # (cos, sin, n_heads, n_kv): rotate y's q and k heads
+               rope=None,           # (cos, sin, n_heads, n_kv): rotate y's q and k heads
+               append=None):        # with rope: (positions, page_table, k, v, host_k, host_v),
+                                    # kv_append_fp16's arguments after k_new, v_new
     """The decode step's matrix products with what comes before and after them fused in:
-    the norm before q|k|v, gate|up and the output head; RoPE after q|k|v; the residual
-    add after o and down. Each is its reference composed, in the same order."""
+    the norm before q|k|v, gate|up and the output head; RoPE after q|k|v, and the append of
+    its k and v to an fp16/fp32 cache; the residual add after o and down. Each is its
+    reference composed, in the same order."""
     x = prologue_ref(x, norm, eps, swiglu)
     if add:
         y += x @ dequantize(raw, qtype).T
@@ -147,6 +162,8 @@ def matvec_ref(x,      # (n, in) float32; (n, 2 in) with swiglu: gate values, th
         q, k, v = (np.empty((n, heads, hd), np.float32) for heads in (n_heads, n_kv, n_kv))
         rope_qkv_ref(x @ dequantize(raw, qtype).T, cos, sin, q, k, v)
         y[...] = np.concatenate([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], axis=1)
+        if append is not None:
+            kv_append_fp16_ref(k, v, *append)
     else:
         y[...] = x @ dequantize(raw, qtype).T
 
@@ -312,26 +329,63 @@ def y_add(y, r, o, total):
 @cuda.jit(device=True)
 def y_rope_pair(y, r, o, t0, t1, cos, sin, rope_rows, hd):
     """Outputs o and o + 1 (o even) of q|k|v: rotated as a RoPE pair when they are q or k
-    (o < rope_rows), stored as they are when v. rope_qkv_kernel's products, in its order;
-    hd is a power of two, so the pair index is a mask and a shift, not a division."""
+    (o < rope_rows), stored as they are when v; returns the pair stored. rope_qkv_kernel's
+    products, in its order; hd is a power of two, so the pair index is a mask and a shift,
+    not a division."""
     if o < rope_rows:
         pair = (o & (hd - 1)) >> 1
         c, s = cos[r, pair], sin[r, pair]
-        y[r, o] = mul_rn(t0, c) - mul_rn(t1, s)
-        y[r, o + 1] = mul_rn(t0, s) + mul_rn(t1, c)
-    else:
-        y[r, o], y[r, o + 1] = t0, t1
+        t0, t1 = mul_rn(t0, c) - mul_rn(t1, s), mul_rn(t0, s) + mul_rn(t1, c)
+    y[r, o], y[r, o + 1] = t0, t1
+    return t0, t1
+
+
 # --8<-- [end:matvec_prologues]
 
 
+# --8<-- [start:append_pair]
+def make_append_pair(store):
+    """append_pair over a writer's device body: kv_append_fp16's store_cell (the tests hand
+    in a broken one, to show that their checks catch it)."""
+
+    @cuda.jit(device=True)
+    def append_pair(o, u0, u1, rope_rows, hd, n_out, home, k, v, host_k, host_v):
+        """Outputs o and o + 1 of q|k|v as stored: when they are k or v, they are also the
+        step's new cell (home: its cell_home), written through the one writer's store_cell
+        (VRAM slot if resident, host copy if present), as kv_append_fp16 would write them."""
+        kv_rows = n_out - rope_rows  # v's outputs; k has as many, just before rope_rows
+        if o < rope_rows - kv_rows:
+            return  # q
+        side = 0 if o < rope_rows else 1
+        e = o - (rope_rows - kv_rows) - side * kv_rows  # the output's index within k or v
+        h, j = 0, e & (hd - 1)  # o is even, so j + 1 is in the same head
+        while e >= hd:  # h = e // hd without a 64-bit division (sm90.wide_divides): a few heads
+            e -= hd
+            h += 1
+        block, cell, slot = home
+        store(side, h, j, u0, block, cell, slot, k, v, host_k, host_v)
+        store(side, h, j + 1, u1, block, cell, slot, k, v, host_k, host_v)
+
+    return append_pair
+
+
+@cuda.jit(device=True)
+def no_append(o, u0, u1, rope_rows, hd, n_out, home, k, v, host_k, host_v):
+    pass
+# --8<-- [end:append_pair]
+
+
 # --8<-- [start:matvec_kernel]
-def make_matvec_kernel(part, nibbles, load_x, store_y, normed, x_rows, rows, rope=False):
+def make_matvec_kernel(part, nibbles, load_x, store_y, normed, x_rows, rows, rope=False, append_pair=None):
     """The kernel for one weight type (its dequantizer), one prologue and one epilogue,
     for up to x_rows rows of x (1: a decode step; MAX_ROWS: a verify window), `rows` rows
     of W per thread block. The sizes are compile-time constants so the per-thread arrays
     stay in registers: a 1-row step's kernel holds 4 sums, not 32, and fits more warps on
     an SM to hide the memory's latency. With `rope` the epilogue is y_rope_pair: one
-    thread stores each pair of outputs (rows is even, so a pair never straddles blocks)."""
+    thread stores each pair of outputs (rows is even, so a pair never straddles blocks);
+    with `append_pair` too, that thread writes the k and v pairs into the KV cache."""
+    append = append_pair is not None
+    append_pair = append_pair or no_append
 
     @cuda.jit
     def matvec_kernel(x,     # (n, in) float32, n <= 8; (n, 2 in) gated
@@ -347,7 +401,11 @@ def make_matvec_kernel(part, nibbles, load_x, store_y, normed, x_rows, rows, rop
                       hd,    # int32 with rope: head_dim, a power of two
                       ahead,      # (bytes,) uint8: the next matvec's W, flat, read into L2; size 0 = none
                       ahead_out,  # (threads of the grid,) uint32 with report, else (0,): what was read
-                      report):    # int32: 1 = each thread writes the XOR of the bytes it read ahead
+                      report,     # int32: 1 = each thread writes the XOR of the bytes it read ahead
+                      kv_pos,     # (n,) int32 with append: each row's cell position, else unused
+                      page_table,  # (n_blocks,) int32 with append, else unused
+                      pool_k, pool_v,   # (n_slots, n_kv, 16, hd) float16/float32 with append
+                      host_k, host_v):  # (n_blocks, n_kv, 16, hd) or size 0 (no host copy)
         # A thread block takes `rows` rows of W at a time; its threads split the rows' parts
         # between them (thread t: parts t, t + threads, ...), so each has one or two parts
         # per row to load and the loads of all its rows are in flight together.
@@ -376,6 +434,11 @@ def make_matvec_kernel(part, nibbles, load_x, store_y, normed, x_rows, rows, rop
         for u in range(AHEAD):  # this thread's sectors: g, g + the grid's threads, ...
             sector = g + u * cuda.gridDim.x * n_threads
             early[u] = uint32(ahead[sector * SECTOR]) if sector < n_sectors else uint32(0)
+        # Appending (one row of x: a decode step): the new cell's position is loaded now, in
+        # flight with the weights; its page-table entry once the weights' loads are out,
+        # so neither lookup holds them back (cell_home below)
+        position = kv_pos[0] if append else 0
+        home = (int64(0), int64(0), int32(-1))
         first_trip = True
         # Grid-stride over the rows of W, `rows` at a time: every thread of the block makes
         # the same trips, so each trip's reductions are reached by all of them. The strided
@@ -413,6 +476,8 @@ def make_matvec_kernel(part, nibbles, load_x, store_y, normed, x_rows, rows, rop
                                 total += w[k, j] * xs[j]
                             acc[k, r] = total
                 q += n_threads
+            if append and first_trip:
+                home = cell_home(position, page_table)
             # Sum the threads' partial sums: within each warp by shuffles, then the warps'
             # sums in warp order, so the result never depends on timing. A one-warp block
             # (a short row; every block under the simulator) stores its sums directly: no
@@ -442,7 +507,9 @@ def make_matvec_kernel(part, nibbles, load_x, store_y, normed, x_rows, rows, rop
                 for k in range(0, rows, 2):
                     for r in range(x_rows):
                         if r < n and o0 + k < n_out:
-                            y_rope_pair(y, r, o0 + k, acc[k, r], acc[k + 1, r], cos, sin, rope_rows, hd)
+                            u0, u1 = y_rope_pair(y, r, o0 + k, acc[k, r], acc[k + 1, r], cos, sin, rope_rows, hd)
+                            if append:
+                                append_pair(o0 + k, u0, u1, rope_rows, hd, n_out, home, pool_k, pool_v, host_k, host_v)
             if n_threads > WARP:  # the same for every thread: the barriers stay collective
                 cuda.syncthreads()
                 if normed and first_trip:  # every thread: the warps' squares in warp order
@@ -461,7 +528,9 @@ def make_matvec_kernel(part, nibbles, load_x, store_y, normed, x_rows, rows, rop
                             t1 += per_warp[v, k + 1, r]
                         if normed:
                             t0, t1 = t0 * inv[r], t1 * inv[r]
-                        y_rope_pair(y, r, o0 + k, t0, t1, cos, sin, rope_rows, hd)
+                        u0, u1 = y_rope_pair(y, r, o0 + k, t0, t1, cos, sin, rope_rows, hd)
+                        if append:
+                            append_pair(o0 + k, u0, u1, rope_rows, hd, n_out, home, pool_k, pool_v, host_k, host_v)
                 else:
                     k, r = t // x_rows, t % x_rows  # thread t stores output (row k of W, row r of x)
                     if k < rows and r < n and o0 + k < n_out:
@@ -484,16 +553,21 @@ def make_matvec_kernel(part, nibbles, load_x, store_y, normed, x_rows, rows, rop
 
 
 PROLOGUES = {"plain": (x_plain, False), "normed": (x_normed, True), "gated": (x_gated, False)}
-EPILOGUES = {"store": (y_store, False), "add": (y_add, False), "rope": (y_store, True)}
+# epilogue -> (store, rope, append)
+EPILOGUES = {"store": (y_store, False, False), "add": (y_add, False, False), "rope": (y_store, True, False),
+             "rope_append": (y_store, True, True)}
 
 
-def matvec_kernels(rows: int) -> dict:
-    """Every (qtype, prologue, epilogue, rows of x) kernel at `rows` rows of W per block;
-    Numba compiles each one the first time it is launched."""
-    return {(qtype, pro, epi, x_rows): make_matvec_kernel(part, nibbles, load_x, store_y, normed, x_rows, rows, rope)
+def matvec_kernels(rows: int, store=store_cell) -> dict:
+    """Every (qtype, prologue, epilogue, rows of x) kernel at `rows` rows of W per block,
+    the appending ones over the writer body `store`; Numba compiles each one the first
+    time it is launched."""
+    append_pair = make_append_pair(store)
+    return {(qtype, pro, epi, x_rows): make_matvec_kernel(part, nibbles, load_x, store_y, normed, x_rows, rows,
+                                                          rope, append_pair if append else None)
             for qtype, (part, _, _, nibbles) in QTYPES.items()
             for pro, (load_x, normed) in PROLOGUES.items()
-            for epi, (store_y, rope) in EPILOGUES.items() for x_rows in (1, MAX_ROWS)}
+            for epi, (store_y, rope, append) in EPILOGUES.items() for x_rows in (1, MAX_ROWS)}
 
 
 MATVEC_KERNELS = matvec_kernels(ROWS)
@@ -516,15 +590,16 @@ def matvec_grid(n_out: int, n_in: int, warps: int | None = None) -> tuple[int, i
     return min(-(-n_out // ROWS), MAX_BLOCKS), warps * WARP
 
 
-def matvec(x, raw, qtype, y, norm=None, eps=0.0, swiglu=False, add=False, rope=None, warps: int | None = None,
-           ahead=None, ahead_out=None):
+def matvec(x, raw, qtype, y, norm=None, eps=0.0, swiglu=False, add=False, rope=None, append=None,
+           warps: int | None = None, ahead=None, ahead_out=None):
     """Like matvec_ref, on the device, for 1..8 rows of x. NumPy arguments are moved (y is
     written back); device arguments are used in place. warps: per thread block (default:
     one part of each row per thread, at most MAX_WARPS; tests set it under the simulator).
     ahead: the (out, bytes) uint8 rows of the matrix the next matvec reads, read into L2
     meanwhile, up to AHEAD 32-byte sectors a thread; ahead_out: a uint32 array with a slot
     per thread of the grid, given the XOR of the bytes each read (read_ahead_ref's, XORed
-    over the grid)."""
+    over the grid). append: with rope, write k and v into an fp16/fp32 cache as well, as
+    kv_append_fp16 would (its arguments after k_new, v_new; "Appending in the epilogue")."""
     expect("x", x, np.float32, (None, None))
     assert norm is None or not swiglu, "one prologue at a time: norm or swiglu"
     assert rope is None or not add, "one epilogue at a time: add or rope"
@@ -545,13 +620,20 @@ def matvec(x, raw, qtype, y, norm=None, eps=0.0, swiglu=False, add=False, rope=N
         assert hd & (hd - 1) == 0, f"head_dim {hd} is not a power of two: the rope epilogue masks by it"
         assert n_out == (n_heads + 2 * n_kv) * hd, f"{n_out} outputs are not q|k|v of {n_heads}+{n_kv}+{n_kv} heads of {hd}"
         assert ROWS % 2 == 0, f"the rope epilogue stores pairs of rows: ROWS = {ROWS} is odd"
+    if append is not None:
+        assert rope is not None, "the append is the rope epilogue's: q|k|v only"
+        assert n == 1, f"the append epilogue writes one row's cell (a decode step), not {n}"
+        kv_pos, page_table, pool_k, pool_v, host_k, host_v = append
+        expect("positions", kv_pos, np.int32, (n,))
+        expect("page_table", page_table, np.int32, (None,))
+        host_k, host_v = expect_dest(n_kv, hd, pool_k, pool_v, host_k, host_v)
     if n == 0 or n_out == 0:
         return
     prologue = "normed" if norm is not None else ("gated" if swiglu else "plain")
     blocks, threads = matvec_grid(n_out, n_in, warps)
     x_rows = 1 if n == 1 else MAX_ROWS
     assert ROWS * x_rows <= threads, "a thread per output stores the sums"
-    epilogue = "add" if add else ("rope" if rope is not None else "store")
+    epilogue = "add" if add else ("store" if rope is None else ("rope" if append is None else "rope_append"))
     with DeviceArgs() as dev:
         a, b = weight_views(dev.read(raw), qtype)
         x = dev.read(x)
@@ -571,7 +653,12 @@ def matvec(x, raw, qtype, y, norm=None, eps=0.0, swiglu=False, add=False, rope=N
         else:
             expect("ahead_out", ahead_out, np.uint32, (blocks * threads,))
             ahead_out, report = dev.write(ahead_out), 1
+        if append is None:  # unread: any arrays of the types the kernel takes
+            cell = absent((0,), np.int32), absent((0,), np.int32), *(absent((0, 1, 1, 1), np.float32),) * 4
+        else:
+            cell = (dev.read(kv_pos), dev.read(page_table), dev.write(pool_k), dev.write(pool_v), dev.write(host_k),
+                    dev.write(host_v))
         kernel = MATVEC_KERNELS[qtype, prologue, epilogue, x_rows]
         kernel[blocks, threads, stream()](
             x, norm, np.float32(eps), np.int32(n_in), a, b, dev.write(y),  # y is read too, with add
-            *angles, np.int32(rope_rows), np.int32(hd), ahead, ahead_out, np.int32(report))
+            *angles, np.int32(rope_rows), np.int32(hd), ahead, ahead_out, np.int32(report), *cell)

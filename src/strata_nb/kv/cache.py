@@ -23,7 +23,7 @@ from ..kernels.copy_runs import as_words
 from .formats import BLOCK, kv_block_bytes, pool_arrays, rotates
 from .select import all_blocks_upto, select_blocks, shared_blocks_upto
 from .slots import SlotTable, StreamCounters
-from .writer import KVDest, append_cells
+from .writer import Append, KVDest
 
 MIN_POOL_BLOCKS = 4  # slot-pool blocks beyond the ring at the minimum resident size
 
@@ -171,14 +171,15 @@ class KVCache:
 
     # ---- the two verbs the forward pass calls -------------------------------------------
     # --8<-- [start:append]
-    def append(self, layer: int, positions, k, v, prompt: bool):
-        """k, v (n, n_kv, hd) float32 after RoPE, at `positions` (n,) -> the cache (the
-        writer rotates them where the format rotates).
+    def append_to(self, layer: int, positions, prompt: bool) -> Append:
+        """Make room for cells at `positions` (n,) and say where they go: the forward pass
+        hands this to the q|k|v product, which writes its k and v there (kv/writer.py).
 
         positions: NumPy int32, or a device array in a replayed decode step (DeviceStep)."""
         L = self.layers[layer]
         pos = self._on_device(positions)
         on_device = not isinstance(positions, np.ndarray)  # a replayed decode step
+        stage = None
         if self.streamed and on_device:
             if layer == 0:  # the step's first append moves every layer's ring, on the device
                 self.be.op("map_ring")(pos, *self.maps, self.plan.n_ring)
@@ -194,9 +195,14 @@ class KVCache:
                 before = -(-first // BLOCK)
                 self._move(L.host, self.stage.pool, [(b, b) for b in range(before)])
                 self._counters.staged_blocks += before
-                append_cells(self.be, self.fmt, self.stage, pos, k, v)
+                stage = self.stage
         # host copy always, slot if resident; QSA's bounds of K with them
-        append_cells(self.be, self.fmt, L, pos, k, v, self.fault, None if L.kmin is None else (L.kmin, L.kmax))
+        return Append(self.fmt, L, pos, stage, self.fault, None if L.kmin is None else (L.kmin, L.kmax))
+
+    def append(self, layer: int, positions, k, v, prompt: bool):
+        """k, v (n, n_kv, hd) float32 after RoPE, at `positions` (n,) -> the cache (the
+        writer rotates them where the format rotates)."""
+        self.append_to(layer, positions, prompt).write(self.be, k, v)
     # --8<-- [end:append]
 
     # --8<-- [start:attend]

@@ -4,6 +4,12 @@ Every writer of KV (decode step, verify window, prompt chunk) comes here. The ap
 kernels write the host copy always (when there is one) and the VRAM slot only where the
 block is resident (`page_table[block] >= 0`), so VRAM never goes stale and rejected
 speculative cells need no invalidation: they are simply written over.
+
+The forward pass hands each layer's `Append` (where its new cells go, room already made)
+to the q|k|v product that makes k and v. The product writes them through `Append.write`,
+or, for a decode step's fp16/fp32 cells on the cuda backend, in its own epilogue
+(kernels/matvec.py, "Appending in the epilogue") through kv_append_fp16's device body:
+the same rule, one launch fewer a layer.
 """
 from __future__ import annotations
 
@@ -21,9 +27,45 @@ class KVDest:
     host: dict | None  # field -> (n_blocks, n_kv, BLOCK, per_head), None = no host copy
 
 
-def _absent(a) -> np.ndarray:
-    """A size-0 array of a's dtype and rank: what the kernels read as "no host copy"."""
+def host_field(dest: KVDest, field: str):
+    """dest's host copy of `field`, or a size-0 array of the pool's dtype and rank: what
+    the kernels read as "no host copy"."""
+    if dest.host is not None:
+        return dest.host[field]
+    a = dest.pool[field]
     return np.empty((0,) + tuple(a.shape[1:]), a.dtype)
+
+
+# --8<-- [start:append]
+@dataclass(frozen=True)
+class Append:
+    """A layer's new cells' destination, room made (KVCache.append_to): where the q|k|v
+    product's k and v go."""
+
+    fmt: str
+    dest: KVDest  # the layer
+    positions: object  # (n,) int32 on the backend
+    stage: KVDest | None = None  # a streamed prompt chunk's stage, written first
+    fault: str = "none"
+    bounds: tuple | None = None  # QSA's (kmin, kmax), kept at append time
+
+    @property
+    def in_epilogue(self) -> bool:
+        """Can a matvec's epilogue write these cells one value at a time? fp16/fp32 values
+        are only cast; the quantized formats need a block's scale, QSA its bounds."""
+        return self.fmt in ("fp16", "fp32") and self.stage is None and self.bounds is None
+
+    def epilogue_args(self) -> tuple:
+        """kv_append_fp16's arguments after k_new, v_new: what the epilogue writes through."""
+        d = self.dest
+        return self.positions, d.page_table, d.pool["k"], d.pool["v"], host_field(d, "k"), host_field(d, "v")
+
+    def write(self, be, k, v):
+        """k, v (n, n_kv, hd) float32 after RoPE -> the stage (if any), then the layer."""
+        if self.stage is not None:
+            append_cells(be, self.fmt, self.stage, self.positions, k, v)
+        append_cells(be, self.fmt, self.dest, self.positions, k, v, self.fault, self.bounds)
+# --8<-- [end:append]
 
 
 # --8<-- [start:append_cells]
@@ -32,7 +74,7 @@ def append_cells(be, fmt: str, dest: KVDest, positions, k, v, fault: str = "none
     where the format rotates (formats.rotates). bounds: QSA's (kmin, kmax) of K, kept at
     append time (kernels/block_bounds.py), or None."""
     pool, pt = dest.pool, dest.page_table
-    h = (lambda f: dest.host[f]) if dest.host is not None else (lambda f: _absent(pool[f]))
+    h = lambda f: host_field(dest, f)  # noqa: E731
     if fmt in ("fp16", "fp32"):
         be.op("kv_append_fp16")(k, v, positions, pt, pool["k"], pool["v"], h("k"), h("v"))
     elif fmt == "int8":
