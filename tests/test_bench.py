@@ -153,6 +153,17 @@ def test_a_broken_row_cannot_look_like_a_win():
     assert "~~k8v4 resident~~" in md and "**BROKEN**" in md
 
 
+def test_the_profile_decodes_after_a_prompt_of_at_least_one_token():
+    """It starts 4 * STEPS positions before the last depth, so the profiled steps fit the
+    context; a bench at depth 1 (llama-bench's tg: from an empty context) profiled after an
+    empty prompt, and the prefill of no tokens failed with an IndexError."""
+    from strata_nb.bench.profile import STEPS
+    from strata_nb.bench.run import profile_depth
+
+    assert profile_depth(8157) == 8157 - 4 * STEPS
+    assert profile_depth(1) == profile_depth(4 * STEPS) == 1
+
+
 def test_the_report_has_a_section_per_profiled_step(tmp_path):
     """The bench profiles a resident step and, with streamed rows, a streamed one (on a GPU,
     with torch); the markdown gets a per-kernel table for each."""

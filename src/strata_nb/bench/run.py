@@ -148,6 +148,12 @@ def copy_bandwidth(be, n_bytes: int = 1 << 30, runs: int = 5) -> float | None:
 
 
 # --8<-- [start:bench]
+def profile_depth(depth: int) -> int:
+    """The prompt the profile decodes after: the last benched depth less room for the
+    profiled steps (4 * STEPS positions), and at least one token (a bench at depth 1)."""
+    return max(1, depth - 4 * STEPS)
+
+
 def bench(base, text: str, formats: list[str], streamed_formats: list[str], depths: list[int], runs: int,
           n_decode: int, check_n: int, peer: bool, profile: bool, log, progress=None) -> dict:
     """Every configuration, the output check, the peer and the profile, as one dict.
@@ -194,7 +200,7 @@ def bench(base, text: str, formats: list[str], streamed_formats: list[str], dept
         result["peer"] = peers.peer_rows(base.config, measured_depths, runs, n_decode, log)
         progress(result)
     if profile and base.be.name == "cuda":  # one resident step and, with streamed rows, one streamed step
-        depth = measured_depths[-1] - 4 * STEPS  # room for the profiled steps
+        depth = profile_depth(measured_depths[-1])
         def profiled_format(fmts):  # k8v4 where benched
             return "k8v4" if "k8v4" in fmts or not fmts else fmts[0]
         profiled = [("profile", Config(profiled_format(formats), False, depth))]

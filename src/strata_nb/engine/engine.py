@@ -107,6 +107,8 @@ class Engine:
     # --8<-- [start:verbs]
     def prefill(self, ids: list[int], all_logits: bool = False):
         """Run the prompt through the model in chunks; logits of the last (or every) position."""
+        if not ids:
+            raise StrataError("prefill needs at least one token")
         outs = [logits for _, logits in
                 self._in_chunks(ids, 0, len(ids), self.settings.prefill_chunk, True, all_logits)]
         return np.concatenate(outs) if all_logits else outs[-1][-1]
