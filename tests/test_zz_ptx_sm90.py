@@ -40,9 +40,11 @@ def test_a_factory_kernel_is_named_by_what_it_was_made_from():
 
     normed = mv.MATVEC_KERNELS["Q8_0", "normed", "store", 1]
     gated = mv.MATVEC_KERNELS["Q4_1", "gated", "add", 8]
+    appending = mv.MATVEC_KERNELS["Q4_1", "normed", "rope_append", 1]
     assert variant(normed.py_func) == ("part=part_q8_0,nibbles=False,load_x=x_normed,store_y=y_store,normed=True,"
-                                       f"x_rows=1,rows={mv.ROWS},rope=False")
+                                       f"x_rows=1,rows={mv.ROWS},rope=False,append_pair=no_append")
     assert variant(gated.py_func) != variant(normed.py_func)
+    assert variant(appending.py_func).endswith(",rope=True,append_pair=make_append_pair.<locals>.append_pair")
 
 
 def make_probe_kernel(read, n):

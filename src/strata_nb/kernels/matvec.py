@@ -338,8 +338,6 @@ def y_rope_pair(y, r, o, t0, t1, cos, sin, rope_rows, hd):
         t0, t1 = mul_rn(t0, c) - mul_rn(t1, s), mul_rn(t0, s) + mul_rn(t1, c)
     y[r, o], y[r, o + 1] = t0, t1
     return t0, t1
-
-
 # --8<-- [end:matvec_prologues]
 
 
