@@ -164,6 +164,14 @@ def test_the_profile_decodes_after_a_prompt_of_at_least_one_token():
     assert profile_depth(1) == profile_depth(4 * STEPS) == 1
 
 
+def test_a_prefill_of_no_tokens_is_a_clear_error(tiny_model):
+    from strata_nb.engine.engine import Engine
+    from strata_nb.errors import StrataError
+
+    with pytest.raises(StrataError, match="at least one token"):
+        Engine.load(model=tiny_model, device="cpu").prefill([])
+
+
 def test_the_report_has_a_section_per_profiled_step(tmp_path):
     """The bench profiles a resident step and, with streamed rows, a streamed one (on a GPU,
     with torch); the markdown gets a per-kernel table for each."""

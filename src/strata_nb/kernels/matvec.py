@@ -400,7 +400,7 @@ def make_matvec_kernel(part, nibbles, load_x, store_y, normed, x_rows, rows, rop
                       ahead,      # (bytes,) uint8: the next matvec's W, flat, read into L2; size 0 = none
                       ahead_out,  # (threads of the grid,) uint32 with report, else (0,): what was read
                       report,     # int32: 1 = each thread writes the XOR of the bytes it read ahead
-                      kv_pos,     # (n,) int32 with append: each row's cell position, else unused
+                      kv_pos,     # (1,) int32 with append: the step's cell position, else unused
                       page_table,  # (n_blocks,) int32 with append, else unused
                       pool_k, pool_v,   # (n_slots, n_kv, 16, hd) float16/float32 with append
                       host_k, host_v):  # (n_blocks, n_kv, 16, hd) or size 0 (no host copy)
