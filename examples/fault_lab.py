@@ -8,7 +8,7 @@ import argparse
 from importlib import resources
 
 from strata_nb import Engine
-from strata_nb.kv.cache import StreamPlan
+from strata_nb.kv.plan import StreamPlan
 from strata_nb.settings import SamplingSettings
 
 ap = argparse.ArgumentParser()

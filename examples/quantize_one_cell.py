@@ -10,10 +10,10 @@ first bytes of head 0, and how far the stored values are from the input.
 import numpy as np
 
 from strata_nb.backend.numpy_backend import NumpyBackend
-from strata_nb.kernels.hadamard import hadamard_ref
-from strata_nb.kernels.quant_int8 import dequantize_int8_ref
-from strata_nb.kernels.quant_q4_0 import dequantize_q4_0_ref, quantize_q4_0_ref
-from strata_nb.kv.formats import BLOCK, USER_FORMATS, pool_arrays, rotates
+from strata_nb.kernels.kv.hadamard import hadamard_ref
+from strata_nb.kernels.kv.quant_int8 import dequantize_int8_ref
+from strata_nb.kernels.kv.quant_q4_0 import dequantize_q4_0_ref, quantize_q4_0_ref
+from strata_nb.kv_layout import BLOCK, USER_FORMATS, pool_arrays, rotates
 from strata_nb.kv.writer import KVDest, append_cells
 
 N_KV, HD = 3, 64  # the default model's KV heads and head_dim

@@ -88,10 +88,10 @@ def tiny_model(tmp_path_factory):
 # The simulator runs kernels as Python, so it accepts code the GPU compiler rejects. Each
 # simulated launch records its kernel and argument types here; tests/test_zz_ptx_sm90.py
 # (collected last) compiles each one to sm_90 PTX in a process without the simulator
-# (kernels/sm90.py).
+# (gpu/sm90.py).
 LAUNCHES: dict = {}
 
 if not ON_GPU:
-    from strata_nb.kernels.sm90 import record_launches
+    from strata_nb.gpu.sm90 import record_launches
 
     record_launches(LAUNCHES)

@@ -5,7 +5,7 @@ from importlib import resources
 
 import pytest
 
-from strata_nb.kv.cache import StreamPlan
+from strata_nb.kv.plan import StreamPlan
 from strata_nb.settings import SamplingSettings
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]

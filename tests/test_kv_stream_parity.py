@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from strata_nb.backend.numpy_backend import NumpyBackend
-from strata_nb.kv.formats import FORMATS
+from strata_nb.kv_layout import FORMATS
 from stream_harness import assert_bitwise_equal, check_stream_state, synthetic_decode
 
 BE = NumpyBackend()

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from strata_nb.backend.numpy_backend import NumpyBackend
-from strata_nb.kv.formats import BLOCK, FORMATS
+from strata_nb.kv_layout import BLOCK, FORMATS
 from stream_harness import HD, N_HEADS, N_KV, assert_bitwise_equal, make_cache, synthetic_decode
 
 BE = NumpyBackend()

@@ -5,13 +5,13 @@ The simulator executes kernels as Python, so it accepts things the GPU compiler 
 (a NumPy call inside a kernel, a type that does not unify). This test is collected last:
 conftest.py recorded each simulated launch's kernel and argument types, and a child
 process without the simulator compiles each with `cuda.compile_ptx(..., cc=(9, 0))`, then
-asks ptxas what it uses (kernels/sm90.py). A kernel whose registers spill to local memory
+asks ptxas what it uses (gpu/sm90.py). A kernel whose registers spill to local memory
 fails: that is a slowdown the simulator cannot show. No GPU needed, only NVRTC/libNVVM
 and ptxas (the nvidia-cuda-nvrtc-cu12 and nvidia-cuda-nvcc-cu12 wheels)."""
 import pytest
 
 from conftest import LAUNCHES, ON_GPU
-from strata_nb.kernels.sm90 import compile_recorded, parse_ptxas, ptxas, variant, warps_by_registers, wide_divides
+from strata_nb.gpu.sm90 import compile_recorded, parse_ptxas, ptxas, variant, warps_by_registers, wide_divides
 
 # ptxas -v's report of a kernel that spills, as ptxas 12 words it
 SPILLING = """ptxas info    : Compiling entry function 'k' for 'sm_90'
@@ -36,7 +36,7 @@ def test_warps_the_register_file_holds():
 def test_a_factory_kernel_is_named_by_what_it_was_made_from():
     """Kernels made by one factory share a name and a line: the arguments they were made
     from tell them apart, the same under the simulator as in the compiling process."""
-    import strata_nb.kernels.matvec as mv
+    import strata_nb.kernels.dense.matvec as mv
 
     normed = mv.MATVEC_KERNELS["Q8_0", "normed", "store", 1]
     gated = mv.MATVEC_KERNELS["Q4_1", "gated", "add", 8]

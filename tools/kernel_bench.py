@@ -13,11 +13,11 @@ The K/V and weights are random bytes: the times depend on the shapes only.
 import numpy as np
 from numba import cuda
 
-import strata_nb.kernels.attention as at
-import strata_nb.kernels.matvec as mv
+import strata_nb.kernels.attention.attention as at
+import strata_nb.kernels.dense.matvec as mv
 from strata_nb.bench.profile import kernel_times
-from strata_nb.kv.formats import pool_arrays
-from strata_nb.kv.select import all_blocks_upto
+from strata_nb.kv_layout import pool_arrays
+from strata_nb.kv_layout import all_blocks_upto
 
 rng = np.random.default_rng(0)
 N_BLOCKS = 512  # 8,192 cells

@@ -1,6 +1,6 @@
 """What each kernel of a decode step and a prompt chunk costs an SM of the H200, without a
 GPU: registers per thread, static shared memory per thread block, spilled bytes, and how
-many warps the register file lets an SM keep (of 64). kernels/sm90.py explains the
+many warps the register file lets an SM keep (of 64). gpu/sm90.py explains the
 numbers; this runs a tiny random-weight model under the simulator to record the
 launches (prefill and a decode step, resident and streamed with QSA), then compiles each
 for sm_90 and asks ptxas. The tiny model has 2 query heads per KV head where the default
@@ -18,7 +18,7 @@ import tempfile
 os.environ["NUMBA_ENABLE_CUDASIM"] = "1"  # before numba is imported: record the launches
 sys.setswitchinterval(1e-4)
 
-from strata_nb.kernels.sm90 import compile_recorded, ptxas, record_launches, warps_by_registers  # noqa: E402
+from strata_nb.gpu.sm90 import compile_recorded, ptxas, record_launches, warps_by_registers  # noqa: E402
 
 
 def main(formats: list[str]) -> int:

@@ -8,7 +8,7 @@ import sys
 import click
 
 from .errors import StrataError
-from .kv.formats import USER_FORMATS
+from .kv_layout import USER_FORMATS
 
 KV_CHOICE = click.Choice(USER_FORMATS)
 _ARGV: list[str] = []  # the command line main() was given, for outputs that record it
@@ -104,7 +104,7 @@ def info(model, kv, max_context, as_json):
     """Print the model's facts and the KV format's sizes."""
     from .model.fetch import ensure_default_model
     from .model.gguf_file import GGUFModel
-    from .kv.formats import BLOCK, cell_bytes, kv_block_bytes, runs_of, token_bytes
+    from .kv_layout import BLOCK, cell_bytes, kv_block_bytes, runs_of, token_bytes
 
     m = GGUFModel(model or ensure_default_model())
     c = m.config

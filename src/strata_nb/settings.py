@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .errors import StrataError
-from .kv.formats import BLOCK, FORMATS
+from .kv_layout import BLOCK, FORMATS
 
 DEVICES = ("auto", "cpu", "cuda")
 FAULTS = ("none", "drop-v-mirror")

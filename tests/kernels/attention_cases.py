@@ -3,14 +3,14 @@ through the one writer, the selections, and a runner that starts from NaN."""
 import numpy as np
 from numba import config, cuda
 
-from strata_nb.kernels.attention import ATOL, RTOL, attention, attention_ref
-from strata_nb.kernels.hadamard import hadamard_ref
-from strata_nb.kernels.kv_append_fp16 import kv_append_fp16_ref
-from strata_nb.kernels.kv_append_k8v4 import kv_append_k8v4_ref
-from strata_nb.kernels.kv_append_q4 import kv_append_q4_ref
-from strata_nb.kernels.kv_append_q8 import kv_append_q8_ref
-from strata_nb.kv.formats import BLOCK, pool_arrays
-from strata_nb.kv.select import all_blocks_upto
+from strata_nb.kernels.attention.attention import ATOL, RTOL, attention, attention_ref
+from strata_nb.kernels.kv.hadamard import hadamard_ref
+from strata_nb.kernels.kv.kv_append_fp16 import kv_append_fp16_ref
+from strata_nb.kernels.kv.kv_append_k8v4 import kv_append_k8v4_ref
+from strata_nb.kernels.kv.kv_append_q4 import kv_append_q4_ref
+from strata_nb.kernels.kv.kv_append_q8 import kv_append_q8_ref
+from strata_nb.kv_layout import BLOCK, pool_arrays
+from strata_nb.kv_layout import all_blocks_upto
 
 # The simulator runs every CUDA thread as a Python thread: 6 query heads on 3 KV heads
 # there (still GQA), the default model's 9 on 3 on a GPU.

@@ -1,4 +1,4 @@
-"""The KV append in the q|k|v matvec's epilogue (kernels/matvec.py, "Appending in the
+"""The KV append in the q|k|v matvec's epilogue (kernels/dense/matvec.py, "Appending in the
 epilogue"): a decode step's fp16/fp32 cells written by the product that makes them,
 through the one writer's device body (kv_append_fp16.store_cell).
 
@@ -11,10 +11,10 @@ import pytest
 from numba import cuda
 
 from conftest import ON_GPU
-from strata_nb.kernels import matvec as matvec_module
-from strata_nb.kernels.kv_append_fp16 import kv_append_fp16, store_cell
-from strata_nb.kernels.matvec import matvec, matvec_ref
-from strata_nb.kv.formats import BLOCK
+from strata_nb.kernels.dense import matvec as matvec_module
+from strata_nb.kernels.kv.kv_append_fp16 import kv_append_fp16, store_cell
+from strata_nb.kernels.dense.matvec import matvec, matvec_ref
+from strata_nb.kv_layout import BLOCK
 from test_dense_kernels import quantized
 
 

@@ -14,8 +14,8 @@ import pytest
 from strata_nb.backend.cuda_backend import CudaBackend
 from strata_nb.backend.numpy_backend import NumpyBackend
 from strata_nb.engine.engine import Engine
-from strata_nb.kernels import kv_append_fp16 as append_module
-from strata_nb.kernels import matvec as matvec_module
+from strata_nb.kernels.kv import kv_append_fp16 as append_module
+from strata_nb.kernels.dense import matvec as matvec_module
 from strata_nb.model.gguf_file import GGUFModel
 from strata_nb.model.synthetic import write_synthetic_gguf
 from strata_nb.settings import Settings

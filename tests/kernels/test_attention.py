@@ -8,13 +8,13 @@ from numba import cuda
 
 from attention_cases import (HEAD_DIM, N_BLOCKS, N_HEADS, N_KV, PAGE_TABLE, WRITTEN, check_rotate_out, filled_cache,
                              mapped_copy, queries, run)
-import strata_nb.kernels.attention_step as attention_step_module
-from strata_nb.kernels.attention import ATOL, RTOL, attention, attention_ref
-from strata_nb.kernels.launch import ticket_counters
-from strata_nb.kernels.quant_int8 import dequantize_int8_ref
-from strata_nb.kernels.quant_q4_0 import dequantize_q4_0_ref
-from strata_nb.kv.formats import BLOCK, FORMATS
-from strata_nb.kv.select import shared_blocks_upto
+import strata_nb.kernels.attention.attention_step as attention_step_module
+from strata_nb.kernels.attention.attention import ATOL, RTOL, attention, attention_ref
+from strata_nb.gpu.launch import ticket_counters
+from strata_nb.kernels.kv.quant_int8 import dequantize_int8_ref
+from strata_nb.kernels.kv.quant_q4_0 import dequantize_q4_0_ref
+from strata_nb.kv_layout import BLOCK, FORMATS
+from strata_nb.kv_layout import shared_blocks_upto
 
 
 def test_rotate_out_in_the_merging_block():

@@ -12,16 +12,16 @@ from numba import cuda
 
 from conftest import ON_GPU
 from strata_nb.backend.numpy_backend import NumpyBackend
-from strata_nb.kernels.argmax import SPAN as ARGMAX_SPAN, THREADS as ARGMAX_THREADS, argmax, argmax_ref
-from strata_nb.kernels.embed import embed, embed_ref
-from strata_nb.kernels.matmul import matmul, matmul_ref
-from strata_nb.kernels.matvec import (AHEAD, SECTOR, dot_tolerance, fused_tolerance, matvec, matvec_grid,
+from strata_nb.kernels.step.argmax import SPAN as ARGMAX_SPAN, THREADS as ARGMAX_THREADS, argmax, argmax_ref
+from strata_nb.kernels.dense.embed import embed, embed_ref
+from strata_nb.kernels.dense.matmul import matmul, matmul_ref
+from strata_nb.kernels.dense.matvec import (AHEAD, SECTOR, dot_tolerance, fused_tolerance, matvec, matvec_grid,
                                      matvec_ref, read_ahead_ref)
-from strata_nb.kernels.reduce import warp_max, warp_sum
-from strata_nb.kernels.residual import residual, residual_ref
-from strata_nb.kernels.rmsnorm import rmsnorm, rmsnorm_ref, rmsnorm_tolerance
-from strata_nb.kernels.rope import rope_qkv, rope_qkv_ref
-from strata_nb.kernels.swiglu import ATOL as SWIGLU_ATOL, RTOL as SWIGLU_RTOL, swiglu, swiglu_ref
+from strata_nb.gpu.reduce import warp_max, warp_sum
+from strata_nb.kernels.dense.residual import residual, residual_ref
+from strata_nb.kernels.dense.rmsnorm import rmsnorm, rmsnorm_ref, rmsnorm_tolerance
+from strata_nb.kernels.dense.rope import rope_qkv, rope_qkv_ref
+from strata_nb.kernels.dense.swiglu import ATOL as SWIGLU_ATOL, RTOL as SWIGLU_RTOL, swiglu, swiglu_ref
 from strata_nb.model.dequant import dequantize
 
 QTYPES = ["Q4_0", "Q4_1", "Q8_0", "F32", "F16"]

@@ -1,4 +1,4 @@
-"""The pooled device allocator (backend/device_memory.py): sizes round up by a bounded
+"""The pooled device allocator (gpu/device_memory.py): sizes round up by a bounded
 amount, freed memory is reused without reaching the driver, and reuse keeps stream order:
 a kernel queued before the free still reads the old contents."""
 import gc
@@ -8,8 +8,8 @@ import pytest
 from numba import cuda
 
 from conftest import ON_GPU
-from strata_nb.backend.device_memory import pool, size_class
-from strata_nb.kernels.launch import device_empty
+from strata_nb.gpu.device_memory import pool, size_class
+from strata_nb.gpu.launch import device_empty
 
 
 def test_size_class_rounds_up_at_most_a_quarter():

@@ -16,10 +16,10 @@ from strata_nb.backend.numpy_backend import NumpyBackend
 from strata_nb.engine.decode_step import DeviceStep
 from strata_nb.engine.engine import Engine
 from strata_nb.errors import StrataError
-from strata_nb.kernels.advance_step import advance_step, advance_step_ref
-from strata_nb.kernels.hadamard import hadamard, hadamard_ref
-from strata_nb.kernels.launch import Capture, capturing
-from strata_nb.kernels.sample_top_p import sample_top_p_ref
+from strata_nb.kernels.step.advance_step import advance_step, advance_step_ref
+from strata_nb.kernels.kv.hadamard import hadamard, hadamard_ref
+from strata_nb.gpu.launch import Capture, capturing
+from strata_nb.kernels.step.sample_top_p import sample_top_p_ref
 from strata_nb.model.gguf_file import GGUFModel
 from strata_nb.settings import SamplingSettings, Settings
 

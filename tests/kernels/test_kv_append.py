@@ -4,10 +4,10 @@ host written), and an absent host copy (host untouched)."""
 import numpy as np
 import pytest
 
-from strata_nb.kernels.kv_append_fp16 import kv_append_fp16, kv_append_fp16_ref
-from strata_nb.kernels.kv_append_q4 import kv_append_q4, kv_append_q4_ref
-from strata_nb.kernels.kv_append_q8 import kv_append_q8, kv_append_q8_ref
-from strata_nb.kv.formats import BLOCK, pool_arrays
+from strata_nb.kernels.kv.kv_append_fp16 import kv_append_fp16, kv_append_fp16_ref
+from strata_nb.kernels.kv.kv_append_q4 import kv_append_q4, kv_append_q4_ref
+from strata_nb.kernels.kv.kv_append_q8 import kv_append_q8, kv_append_q8_ref
+from strata_nb.kv_layout import BLOCK, pool_arrays
 
 N_KV, HEAD_DIM = 3, 64
 N_BLOCKS, N_SLOTS = 5, 3

@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from strata_nb.kernels.block_bounds import block_bounds_ref
-from strata_nb.kernels.kv_append_k8v4 import kv_append_k8v4, kv_append_k8v4_ref
-from strata_nb.kv.formats import BLOCK, pool_arrays
+from strata_nb.kernels.kv.block_bounds import block_bounds_ref
+from strata_nb.kernels.kv.kv_append_k8v4 import kv_append_k8v4, kv_append_k8v4_ref
+from strata_nb.kv_layout import BLOCK, pool_arrays
 
 N_KV, HEAD_DIM = 3, 64
 N_BLOCKS, N_SLOTS = 4, 2

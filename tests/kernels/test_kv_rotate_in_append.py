@@ -5,10 +5,10 @@ Hadamard launch without changing a byte of the cache."""
 import numpy as np
 import pytest
 
-from strata_nb.kernels.hadamard import hadamard_ref
-from strata_nb.kernels.kv_append_k8v4 import kv_append_k8v4_ref
-from strata_nb.kernels.kv_append_q4 import kv_append_q4, kv_append_q4_ref
-from strata_nb.kv.formats import BLOCK, pool_arrays
+from strata_nb.kernels.kv.hadamard import hadamard_ref
+from strata_nb.kernels.kv.kv_append_k8v4 import kv_append_k8v4_ref
+from strata_nb.kernels.kv.kv_append_q4 import kv_append_q4, kv_append_q4_ref
+from strata_nb.kv_layout import BLOCK, pool_arrays
 from test_kv_hybrid_parity import append_windows, assert_parity
 
 N_KV = 2

@@ -8,12 +8,12 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 from numba import cuda, float32
 
-from strata_nb.kernels.hadamard import hadamard, hadamard_ref
-from strata_nb.kernels.quant_int8 import (F16_MAX, dequantize_int8_column, dequantize_int8_ref,
+from strata_nb.kernels.kv.hadamard import hadamard, hadamard_ref
+from strata_nb.kernels.kv.quant_int8 import (F16_MAX, dequantize_int8_column, dequantize_int8_ref,
                                           quantize_int8, quantize_int8_ref, sanitize_ref)
-from strata_nb.kernels.quant_q4_0 import (dequantize_q4_0_column, dequantize_q4_0_ref, quantize_q4_0,
+from strata_nb.kernels.kv.quant_q4_0 import (dequantize_q4_0_column, dequantize_q4_0_ref, quantize_q4_0,
                                           quantize_q4_0_ref)
-from strata_nb.kv.formats import BLOCK
+from strata_nb.kv_layout import BLOCK
 
 Q4_0 = gguf.GGMLQuantizationType.Q4_0
 

@@ -3,7 +3,7 @@ the reference draws from the nucleus with the right probabilities."""
 import numpy as np
 import pytest
 
-from strata_nb.kernels.sample_top_p import sample_top_p, sample_top_p_ref, uniform_ref
+from strata_nb.kernels.step.sample_top_p import sample_top_p, sample_top_p_ref, uniform_ref
 
 
 def draw(impl, logits, temperature, top_p, seed, counter):

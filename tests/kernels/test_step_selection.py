@@ -4,9 +4,9 @@ lookup counts) and map_ring (the ring follows the write), both byte for byte."""
 import numpy as np
 import pytest
 
-from strata_nb.kernels.map_ring import map_ring, map_ring_ref
-from strata_nb.kernels.select_blocks import select_blocks, select_blocks_ref
-from strata_nb.kv.select import select_blocks as host_select_blocks
+from strata_nb.kernels.step.map_ring import map_ring, map_ring_ref
+from strata_nb.kernels.step.select_blocks import select_blocks, select_blocks_ref
+from strata_nb.kernels.step.select_blocks import select_rows_ref as host_select_blocks
 
 N_BLOCKS = 13
 

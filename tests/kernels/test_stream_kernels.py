@@ -3,11 +3,11 @@ block_bounds exactly, block_scores within float32 summation order."""
 import numpy as np
 import pytest
 
-from strata_nb.kernels.block_bounds import block_bounds, block_bounds_ref
-from strata_nb.kernels.block_scores import block_scores, block_scores_ref
-from strata_nb.kernels.copy_runs import as_words, copy_runs, copy_runs_ref
-from strata_nb.kernels.ring_restore import ring_restore, ring_restore_ref
-from strata_nb.kv.formats import FORMATS, pool_arrays
+from strata_nb.kernels.kv.block_bounds import block_bounds, block_bounds_ref
+from strata_nb.kernels.step.block_scores import block_scores, block_scores_ref
+from strata_nb.kernels.kv.copy_runs import as_words, copy_runs, copy_runs_ref
+from strata_nb.kernels.kv.ring_restore import ring_restore, ring_restore_ref
+from strata_nb.kv_layout import FORMATS, pool_arrays
 
 N_KV, HD = 3, 64
 

@@ -11,15 +11,14 @@ returns a new device array, except `add_`, which adds in place.
 """
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 
 import numpy as np
 from numba import cuda
 
 from ..errors import StrataError
-from ..kernels import embed, matmul, matvec, residual, rmsnorm, rope, swiglu
-from ..kernels.launch import device_empty
+from ..kernels.dense import embed, matmul, matvec, residual, rmsnorm, rope, swiglu
+from ..gpu.launch import device_empty
 from ..model.dequant import dequantize
 
 
@@ -75,7 +74,8 @@ class CudaBackend:
         head, and KV heads for QSA's scores), and a step's merge holds a bounded number of
         splits: a model or a context outside them stops here, with the range, and not at
         its first launch."""
-        from ..kernels import attention_step, block_scores
+        from ..kernels.attention import attention_step
+        from ..kernels.step import block_scores
 
         group = cfg.n_heads // cfg.n_kv_heads
         if cfg.head_dim not in attention_step.HEAD_DIMS or group > attention_step.MAX_GROUP:
@@ -106,9 +106,9 @@ class CudaBackend:
         else:
             dst[...] = src
 
-    def op(self, name: str):
-        """The launcher of kernel file `kernels/<name>.py`."""
-        return getattr(importlib.import_module(f"strata_nb.kernels.{name}"), name)
+    def op(self, ref, launcher):
+        """Which of a kernel file's two functions this backend runs: the launcher."""
+        return launcher
 
     # ---- weights ------------------------------------------------------------------------
     def matrix(self, *qtensors) -> DeviceMatrix:
@@ -171,7 +171,7 @@ class CudaBackend:
     # A step (<= 8 rows) runs each of these as one matvec launch with the norm, the gate or
     # the add fused in; a prompt chunk runs the separate kernels, as NumpyBackend composes them.
     # `ahead`: the matrix the step multiplies next. The matvec's threads read it into L2
-    # while they work (kernels/matvec.py: reading ahead), so the next launch finds it there.
+    # while they work (kernels/dense/matvec.py: reading ahead), so the next launch finds it there.
     def normed_matmul(self, x, norm, eps: float, w: DeviceMatrix, ahead: DeviceMatrix | None = None):
         if x.shape[0] > matvec.MAX_ROWS:
             return self.matmul(self.rmsnorm(x, norm, eps), w)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from numba import cuda
 
 from ..errors import StrataError
-from ..kernels.launch import capturing
+from ..gpu.launch import capturing
 
 
 def _check(result):

@@ -7,13 +7,12 @@ float32: one float64 scalar would silently promote a whole forward pass and cost
 from __future__ import annotations
 
 import contextlib
-import importlib
 
 import numpy as np
 
-from ..kernels.rmsnorm import rmsnorm_ref
-from ..kernels.rope import rope_qkv_ref
-from ..kernels.swiglu import swiglu_ref
+from ..kernels.dense.rmsnorm import rmsnorm_ref
+from ..kernels.dense.rope import rope_qkv_ref
+from ..kernels.dense.swiglu import swiglu_ref
 from ..model.dequant import dequantize
 
 
@@ -21,9 +20,6 @@ class NumpyBackend:
     name = "numpy"
     prefill_chunk = 256  # prompt tokens per forward pass unless --prefill-chunk says otherwise
     device = "cpu"
-
-    def __init__(self):
-        self._ops = {}  # kernel name -> its reference function
 
     # ---- arrays -------------------------------------------------------------------------
     def zeros(self, shape, dtype):
@@ -48,17 +44,17 @@ class NumpyBackend:
         return contextlib.nullcontext()
 
     def check_model(self, cfg, qsa: bool, max_context: int = 0):
-        """The references take every shape the KV formats allow (kv/formats.py)."""
+        """The references take every shape the KV formats allow (kv_layout.py)."""
 
     def host_array(self, shape, dtype):
         """An array for the host copy (pinned and device-mapped on the cuda backend)."""
         return np.zeros(shape, dtype)
 
-    def op(self, name: str):
-        """The implementation of kernel file `kernels/<name>.py` this backend runs: its ref."""
-        if name not in self._ops:
-            self._ops[name] = getattr(importlib.import_module(f"strata_nb.kernels.{name}"), f"{name}_ref")
-        return self._ops[name]
+    def op(self, ref, launcher):
+        """Which of a kernel file's two functions this backend runs: the NumPy reference.
+        Callers name both (`be.op(kv_append_q8_ref, kv_append_q8)`), so either is one
+        go-to-definition away."""
+        return ref
 
     # ---- weights ------------------------------------------------------------------------
     def matrix(self, *qtensors):
@@ -87,7 +83,7 @@ class NumpyBackend:
 
     def rope_qkv(self, qkv, cos, sin, n_heads: int, n_kv: int, hd: int):
         # qkv (n, (n_heads + 2 n_kv) hd) float32 -> q (n, n_heads, hd), k, v (n, n_kv, hd);
-        # cos/sin (n, hd/2) float32: each row's position (kernels/rope.py says which pairs turn)
+        # cos/sin (n, hd/2) float32: each row's position (kernels/dense/rope.py says which pairs turn)
         n = qkv.shape[0]
         q, k, v = (np.empty((n, heads, hd), np.float32) for heads in (n_heads, n_kv, n_kv))
         rope_qkv_ref(qkv, cos, sin, q, k, v)

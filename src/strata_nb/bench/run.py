@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import StrataError
-from ..kv.cache import StreamPlan
-from ..kv.formats import BLOCK, token_bytes
+from ..kv.plan import StreamPlan
+from ..kv_layout import BLOCK, token_bytes
 from ..settings import SamplingSettings
 from .profile import STEPS, profile_decode
 

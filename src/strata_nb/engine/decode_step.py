@@ -17,7 +17,7 @@ memory. Top-k sampling reads the logits back and writes its token over `token`, 
 step at a time (`run`).
 
 A streamed or QSA cache makes its per-step decisions on the device too: the ring follows
-the position (kernels/map_ring.py), the step selects its blocks (kernels/select_blocks.py),
+the position (kernels/step/map_ring.py), the step selects its blocks (kernels/step/select_blocks.py),
 and a selected block that is not in VRAM is read in place from the host copy instead of
 being copied into a slot first. The host maps the first step's block before the first
 replay, and takes the maps and counters back before its next decision
@@ -32,8 +32,11 @@ from numba import cuda
 
 from ..backend import gpu_present
 from ..errors import StrataError
-from ..kernels.launch import stream
-from ..kv.formats import BLOCK
+from ..gpu.launch import stream
+from ..kernels.step.advance_step import advance_step, advance_step_ref
+from ..kernels.step.argmax import argmax, argmax_ref
+from ..kernels.step.sample_top_p import sample_top_p, sample_top_p_ref
+from ..kv_layout import BLOCK
 from .forward import forward
 
 PICK_RING = 4  # slots of the mapped pick ring: run_ahead has at most two steps in flight
@@ -43,7 +46,7 @@ PICK_RING = 4  # slots of the mapped pick ring: run_ahead has at most two steps 
 class DeviceStep:
     def __init__(self, be, weights, kv, use_graph: bool, sampling=None, seed: int = 0):
         """sampling: None or temperature 0 = greedy; temperature > 0 without top-k = drawn
-        on the device (kernels/sample_top_p.py, with `seed` and the position); with top-k
+        on the device (kernels/step/sample_top_p.py, with `seed` and the position); with top-k
         the host samples from `logits_on_host()` and `picks` is False."""
         self.be, self.weights, self.kv = be, weights, kv
         greedy = sampling is None or sampling.temperature == 0
@@ -66,11 +69,11 @@ class DeviceStep:
         """The step's launches: the forward pass, the pick (greedy or drawn), advance."""
         logits = forward(self.be, self.weights, self.kv, self.token, self.pos, prompt=False)
         if self.draw is None:
-            self.be.op("argmax")(logits, self.token)
+            self.be.op(argmax_ref, argmax)(logits, self.token)
         else:
             inv_temperature, top_p, seed = self.draw
-            self.be.op("sample_top_p")(logits[0], inv_temperature, top_p, seed, self.pos, self.token)
-        self.be.op("advance_step")(self.token, self.pos, self.chosen)
+            self.be.op(sample_top_p_ref, sample_top_p)(logits[0], inv_temperature, top_p, seed, self.pos, self.token)
+        self.be.op(advance_step_ref, advance_step)(self.token, self.pos, self.chosen)
         return logits
 
     def run(self, token: int, pos: int) -> int:

@@ -13,54 +13,20 @@ place from the host copy, and the host takes the maps back before its next decis
 """
 from __future__ import annotations
 
-import sys
-from dataclasses import dataclass
-
 import numpy as np
 
-from ..errors import StrataError
-from ..kernels.copy_runs import as_words
-from .formats import BLOCK, kv_block_bytes, pool_arrays, rotates
-from .select import all_blocks_upto, select_blocks, shared_blocks_upto
+from ..kernels.attention.attention import attention, attention_ref
+from ..kernels.kv.copy_runs import as_words, copy_runs, copy_runs_ref
+from ..kernels.kv.hadamard import hadamard, hadamard_ref
+from ..kernels.step.block_scores import block_scores, block_scores_ref
+from ..kernels.step.map_ring import map_ring, map_ring_ref
+from ..kernels.step.select_blocks import select_rows_ref
+from ..kv_layout import BLOCK, all_blocks_upto, kv_block_bytes, pool_arrays, rotates, shared_blocks_upto
+from . import snapshot
+from .plan import StreamPlan
 from .slots import SlotTable, StreamCounters
+from .step_blocks import StepBlocks
 from .writer import Append, KVDest
-
-MIN_POOL_BLOCKS = 4  # slot-pool blocks beyond the ring at the minimum resident size
-
-
-# --8<-- [start:stream_plan]
-@dataclass(frozen=True)
-class StreamPlan:
-    n_blocks: int  # blocks per layer in the host copy (the whole context)
-    n_ring: int  # ring slots: the recent window
-    n_pool: int  # slot-pool slots: older blocks
-
-    @property
-    def resident_cells(self) -> int:
-        return (self.n_ring + self.n_pool) * BLOCK
-
-    @staticmethod
-    def minimum_cells(kv_window: int) -> int:
-        return kv_window + MIN_POOL_BLOCKS * BLOCK
-
-    @classmethod
-    def from_settings(cls, s, n_blocks: int) -> "StreamPlan | None":
-        """None = fully resident. Clamps --kv-resident up to its minimum and says so."""
-        if s.kv_resident == 0:
-            return None
-        minimum = cls.minimum_cells(s.kv_window)
-        cells = s.kv_resident
-        if cells < minimum:
-            print(f"strata-nb: --kv-resident {cells} is below the minimum {minimum} (--kv-window {s.kv_window} "
-                  f"+ {MIN_POOL_BLOCKS} slot-pool blocks); using {minimum}", file=sys.stderr)
-            cells = minimum
-        if cells >= n_blocks * BLOCK:
-            print(f"strata-nb: --kv-resident {cells} holds the whole context of {n_blocks * BLOCK} cells; "
-                  "running fully resident", file=sys.stderr)
-            return None
-        n_ring = s.kv_window // BLOCK
-        return cls(n_blocks, n_ring, cells // BLOCK - n_ring)
-# --8<-- [end:stream_plan]
 
 
 class LayerKV(KVDest):
@@ -76,41 +42,12 @@ class LayerKV(KVDest):
             a.field: be.host_array((n_blocks, n_kv, BLOCK, a.per_head), a.dtype) for a in arrays}
         self.slots = None if plan is None else SlotTable(n_blocks, plan.n_ring, plan.n_pool)
         # slot -> block, the page table's inverse, in device memory too: a replayed step
-        # moves the ring there (kernels/map_ring.py)
+        # moves the ring there (kernels/step/map_ring.py)
         table, self.slot_block = (be.asarray(np.arange(n_blocks, dtype=np.int32)), None) if plan is None else maps
         super().__init__(pool, table, host)
         # QSA bounds: (n_blocks, n_kv, hd) float32 min and max of K per block and head
         self.kmin = be.zeros((n_blocks, n_kv, head_dim), np.float32) if qsa else None
         self.kmax = be.zeros((n_blocks, n_kv, head_dim), np.float32) if qsa else None
-
-
-# --8<-- [start:step_blocks]
-class StepBlocks:
-    """What a replayed decode step's attention reads, kept in device memory: a graph cannot
-    be handed a new block list, so the step makes its own. Fully resident and dense: every
-    block, and attention skips those after the query. Otherwise: the selection kernel writes
-    this step's list (QSA's picks, or every block up to the query), and the blocks not in
-    VRAM are read in place from the host copy."""
-
-    def __init__(self, be, kv):
-        n = kv.n_blocks
-        self.be, self.kv = be, kv
-        self.dense_resident = not kv.streamed and kv.qsa_budget == 0
-        width = n if kv.qsa_budget == 0 else max(max(1, kv.qsa_budget // BLOCK), kv.window_blocks + 1)
-        self.blocks = be.asarray(np.arange(width, dtype=np.int32).reshape(1, width))  # (1, width) int32
-        self.scores = be.zeros((1, n), np.float32)  # (1, n_blocks) QSA scores
-        self.chosen = be.zeros((n,), np.int32)  # (n_blocks,) selected flags
-        self.counts = be.zeros((3,), np.int64)  # lookups, not in VRAM, selections
-
-    def select(self, L, q, pos):
-        if self.dense_resident:
-            return self.blocks
-        if self.kv.qsa_budget:
-            self.be.op("block_scores")(q, L.kmin, L.kmax, self.scores)
-        self.be.op("select_blocks")(self.scores, pos, L.page_table, self.kv.window_blocks, self.kv.qsa_budget,
-                                    self.chosen, self.blocks, self.counts)
-        return self.blocks
-# --8<-- [end:step_blocks]
 
 
 class KVCache:
@@ -122,7 +59,7 @@ class KVCache:
         self.plan = StreamPlan.from_settings(settings, self.n_blocks)
         self.block_bytes = kv_block_bytes(self.fmt, cfg.n_kv_heads, cfg.head_dim)
         # Streaming: every layer's maps are rows of one device array each, so a replayed step
-        # moves all the rings in one launch (kernels/map_ring.py)
+        # moves all the rings in one launch (kernels/step/map_ring.py)
         self.maps = None if self.plan is None else tuple(
             be.asarray(np.full((cfg.n_layers, n), -1, np.int32))
             for n in (self.n_blocks, self.plan.n_ring + self.plan.n_pool))
@@ -137,8 +74,8 @@ class KVCache:
         self._counters = StreamCounters()
         self.step = StepBlocks(be, self) if be.name == "cuda" else None
         self._device_newer = False  # a replayed step moved the ring or counted lookups on the device
-        self._hadamard = be.op("hadamard")
-        self._attention = be.op("attention")
+        self._hadamard = be.op(hadamard_ref, hadamard)
+        self._attention = be.op(attention_ref, attention)
         self._block_row = be.asarray(np.arange(self.n_blocks, dtype=np.int32).reshape(1, -1))  # (1, n_blocks)
         self._positions = (None, None)  # (NumPy positions, their device copy): _on_device's one entry
 
@@ -159,7 +96,7 @@ class KVCache:
     @property
     def counters(self) -> StreamCounters:
         """The streaming counters, with what replayed steps counted on the device."""
-        self._sync_from_device()
+        self.sync_from_device()
         return self._counters
 
     def describe(self) -> str:
@@ -182,15 +119,15 @@ class KVCache:
         stage = None
         if self.streamed and on_device:
             if layer == 0:  # the step's first append moves every layer's ring, on the device
-                self.be.op("map_ring")(pos, *self.maps, self.plan.n_ring)
+                self.be.op(map_ring_ref, map_ring)(pos, *self.maps, self.plan.n_ring)
             self._device_newer = True
         elif self.streamed:
-            self._sync_from_device()
+            self.sync_from_device()
             first, last = int(positions[0]), int(positions[-1])
             refill = L.slots.map_ring(first, last)  # the ring follows the writes
             self._move(L.host, L.pool, refill)
             self._counters.refills += len(refill)
-            self._upload_table(L)
+            self.upload_table(L)
             if prompt:  # the stage receives the blocks before the chunk from the host copy
                 before = -(-first // BLOCK)
                 self._move(L.host, self.stage.pool, [(b, b) for b in range(before)])
@@ -223,11 +160,11 @@ class KVCache:
         else:
             blocks, src = self.select(L, q, positions), L
             if self.streamed:
-                self._sync_from_device()
+                self.sync_from_device()
                 copies = L.slots.resolve(blocks, self._counters)
                 self._move(L.host, L.pool, copies)
                 self._counters.copies += len(copies)
-                self._upload_table(L)
+                self.upload_table(L)
         out = self.be.empty(q.shape, np.float32)
         # blocks go as they are (NumPy, or the step's device list): the cuda launcher
         # looks at a NumPy selection to put queries that share it in one thread block
@@ -244,8 +181,8 @@ class KVCache:
         if self.qsa_budget == 0:
             return all_blocks_upto(positions)
         scores = self.be.zeros((q.shape[0], self.n_blocks), np.float32)
-        self.be.op("block_scores")(q, L.kmin, L.kmax, scores)
-        return select_blocks(self.be.to_numpy(scores), positions, self.window_blocks, self.qsa_budget)
+        self.be.op(block_scores_ref, block_scores)(q, L.kmin, L.kmax, scores)
+        return select_rows_ref(self.be.to_numpy(scores), positions, self.window_blocks, self.qsa_budget)
     # --8<-- [end:select]
 
     # ---- movers: every one copies the format's runs, none knows a format ----------------
@@ -256,11 +193,11 @@ class KVCache:
         src_index = self.be.asarray(np.array([s for s, _ in pairs], np.int32))
         dst_index = self.be.asarray(np.array([d for _, d in pairs], np.int32))
         for field in dst:
-            self.be.op("copy_runs")(as_words(src[field]), as_words(dst[field]), src_index, dst_index)
+            self.be.op(copy_runs_ref, copy_runs)(as_words(src[field]), as_words(dst[field]), src_index, dst_index)
         self._counters.bytes_moved += len(pairs) * self.block_bytes
     # --8<-- [end:move]
 
-    def _upload_table(self, L):
+    def upload_table(self, L):
         self.be.copy_into(L.page_table, L.slots.page_table)
         self.be.copy_into(L.slot_block, L.slots.slot_block)
 
@@ -269,17 +206,17 @@ class KVCache:
     def before_device_steps(self, pos: int):
         """Before replayed steps start at `pos`: the host maps the ring onto pos's block,
         refilling it if the ring had left it, so every replayed step after enters its
-        blocks at their first cell (kernels/map_ring.py)."""
+        blocks at their first cell (kernels/step/map_ring.py)."""
         if not self.streamed:
             return
-        self._sync_from_device()
+        self.sync_from_device()
         for L in self.layers:
             refill = L.slots.map_ring(pos, pos)
             self._move(L.host, L.pool, refill)
             self._counters.refills += len(refill)
-            self._upload_table(L)
+            self.upload_table(L)
 
-    def _sync_from_device(self):
+    def sync_from_device(self):
         """After replayed steps: the host's maps take the device's (the ring moved there) and
         the counters take the device's counts. Every host decision starts here, so none is
         made on stale maps, the kind of drift that leaves a slot read as another block."""
@@ -299,41 +236,9 @@ class KVCache:
         self.be.copy_into(self.step.counts, np.zeros(3, np.int64))
     # --8<-- [end:device_steps]
 
-    # ---- snapshots: the host copy rewritten wholesale, then the ring restored ----------
-    # --8<-- [start:snapshot_restore]
+    # ---- snapshots: kv/snapshot.py ------------------------------------------------------
     def snapshot(self, end: int, layers: list[int] | None = None) -> dict:
-        """The K/V bytes (and QSA bounds) of cells [0, end), as host arrays: every layer, or
-        the listed ones (the bench's output check compares layer 0)."""
-        nb = -(-end // BLOCK)
-        self._sync_from_device()
-        saved = []
-        for L in (self.layers if layers is None else [self.layers[i] for i in layers]):
-            src = L.host if self.streamed else L.pool
-            saved.append({f: self.be.to_numpy(a)[:nb].copy() for f, a in src.items()} |
-                         ({"kmin": self.be.to_numpy(L.kmin)[:nb].copy(), "kmax": self.be.to_numpy(L.kmax)[:nb].copy()}
-                          if L.kmin is not None else {}))
-        return {"fmt": self.fmt, "end": end, "layers": saved}
+        return snapshot.snapshot(self, end, layers)
 
     def restore(self, snap: dict):
-        """Rewrite the host copy (or the resident pool) from a snapshot; reset the slot table
-        and refill the ring, so nothing in VRAM can be stale."""
-        if snap["fmt"] != self.fmt or len(snap["layers"]) != len(self.layers):
-            raise StrataError("snapshot does not match this cache's format or layer count")
-        self._sync_from_device()
-        end_block = -(-snap["end"] // BLOCK)
-        if end_block > self.n_blocks:
-            raise StrataError(f"snapshot of {snap['end']} cells does not fit {self.n_blocks * BLOCK}")
-        index = self.be.asarray(np.arange(end_block, dtype=np.int32))
-        for L, saved in zip(self.layers, snap["layers"]):
-            dst = L.host if self.streamed else L.pool
-            for f in dst:
-                self.be.op("copy_runs")(as_words(saved[f]), as_words(dst[f]), index, index)
-            if L.kmin is not None:
-                self.be.copy_into(L.kmin[:end_block], saved["kmin"])
-                self.be.copy_into(L.kmax[:end_block], saved["kmax"])
-            if self.streamed:
-                for f in L.pool:
-                    self.be.op("ring_restore")(as_words(L.host[f]), as_words(L.pool[f]), end_block, self.plan.n_ring)
-                L.slots.reset_to_ring(end_block)
-                self._upload_table(L)
-    # --8<-- [end:snapshot_restore]
+        snapshot.restore(self, snap)

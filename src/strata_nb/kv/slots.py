@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .formats import BLOCK
+from ..kv_layout import BLOCK, point
 
 
 # --8<-- [start:counters]
@@ -43,20 +43,6 @@ class StreamCounters:
         d["misses_per_step"] = self.misses_per_step
         return d
 # --8<-- [end:counters]
-
-
-# --8<-- [start:point]
-def point(page_table, slot_block, block: int, slot: int):
-    """Put `block` in `slot`: the slot's old block and the block's old slot are unmapped,
-    so the two maps stay inverse."""
-    old = slot_block[slot]
-    if old >= 0:
-        page_table[old] = -1
-    prev = page_table[block]
-    if prev >= 0:
-        slot_block[prev] = -1
-    page_table[block], slot_block[slot] = slot, block
-# --8<-- [end:point]
 
 
 # --8<-- [start:slot_table]

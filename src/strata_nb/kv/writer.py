@@ -8,7 +8,7 @@ speculative cells need no invalidation: they are simply written over.
 The forward pass hands each layer's `Append` (where its new cells go, room already made)
 to the q|k|v product that makes k and v. The product writes them through `Append.write`,
 or, for a decode step's fp16/fp32 cells on the cuda backend, in its own epilogue
-(kernels/matvec.py, "Appending in the epilogue") through kv_append_fp16's device body:
+(kernels/dense/matvec.py, "Appending in the epilogue") through kv_append_fp16's device body:
 the same rule, one launch fewer a layer.
 """
 from __future__ import annotations
@@ -16,6 +16,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
+from ..kernels.kv.block_bounds import block_bounds, block_bounds_ref
+from ..kernels.kv.hadamard import hadamard, hadamard_ref
+from ..kernels.kv.kv_append_fp16 import kv_append_fp16, kv_append_fp16_ref
+from ..kernels.kv.kv_append_k8v4 import kv_append_k8v4, kv_append_k8v4_ref
+from ..kernels.kv.kv_append_q4 import kv_append_q4, kv_append_q4_ref
+from ..kernels.kv.kv_append_q8 import kv_append_q8, kv_append_q8_ref
 
 
 @dataclass
@@ -72,29 +79,29 @@ class Append:
 def append_cells(be, fmt: str, dest: KVDest, positions, k, v, fault: str = "none", bounds=None):
     """k, v (n, n_kv, hd) float32 after RoPE -> dest's pool and host copy, rotated here
     where the format rotates (formats.rotates). bounds: QSA's (kmin, kmax) of K, kept at
-    append time (kernels/block_bounds.py), or None."""
+    append time (kernels/kv/block_bounds.py), or None."""
     pool, pt = dest.pool, dest.page_table
     h = lambda f: host_field(dest, f)  # noqa: E731
     if fmt in ("fp16", "fp32"):
-        be.op("kv_append_fp16")(k, v, positions, pt, pool["k"], pool["v"], h("k"), h("v"))
+        be.op(kv_append_fp16_ref, kv_append_fp16)(k, v, positions, pt, pool["k"], pool["v"], h("k"), h("v"))
     elif fmt == "int8":
-        be.op("kv_append_q8")(k, v, positions, pt, pool["k_q"], pool["k_s"], pool["v_q"], pool["v_s"],
+        be.op(kv_append_q8_ref, kv_append_q8)(k, v, positions, pt, pool["k_q"], pool["k_s"], pool["v_q"], pool["v_s"],
                               h("k_q"), h("k_s"), h("v_q"), h("v_s"))
     elif fmt == "q4_0":
         # K and V rotated first, by the hadamard kernel: QSA keeps the bounds of the rotated
         # K, the K that attention scores against the rotated query
-        rotate = be.op("hadamard")
+        rotate = be.op(hadamard_ref, hadamard)
         k, v = rotate(k), rotate(v)
-        be.op("kv_append_q4")(k, v, positions, pt, pool["k_q4"], pool["v_q4"], h("k_q4"), h("v_q4"))
+        be.op(kv_append_q4_ref, kv_append_q4)(k, v, positions, pt, pool["k_q4"], pool["v_q4"], h("k_q4"), h("v_q4"))
     elif fmt == "k8v4":
         # two folded halves through the int8 and q4_0 kernels, and the bounds, in one launch
-        # (kernels/kv_append_k8v4.py); the V half rotates V as it quantizes it.
+        # (kernels/kv/kv_append_k8v4.py); the V half rotates V as it quantizes it.
         # --fault drop-v-mirror passes the V half unfolded: its host write is silently skipped
-        be.op("kv_append_k8v4")(k, v, positions, pt, pool, dest.host, fold_v_half=(fault != "drop-v-mirror"),
+        be.op(kv_append_k8v4_ref, kv_append_k8v4)(k, v, positions, pt, pool, dest.host, fold_v_half=(fault != "drop-v-mirror"),
                                 bounds=bounds)
         bounds = None  # kept already
     else:
         raise ValueError(f"no writer for KV format {fmt!r}")
     if bounds is not None:
-        be.op("block_bounds")(k, positions, *bounds)
+        be.op(block_bounds_ref, block_bounds)(k, positions, *bounds)
 # --8<-- [end:append_cells]

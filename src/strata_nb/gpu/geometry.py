@@ -1,0 +1,44 @@
+"""Launch geometry: every size that differs between a GPU and Numba's CUDA simulator.
+
+The kernels are the same code on both. What differs is how many threads they launch and
+how large their tiles are: the simulator runs each CUDA thread as a Python thread, wakes
+them one by one at every barrier and computes every padded row of a tile, so there the
+kernels launch as few threads as their logic allows. The tests run the simulator's
+sizes; a GPU runs these on the right. `SIMULATED` also picks the simulator's twins of the
+warp-shuffle device functions (gpu/reduce.py), which the simulator does not have.
+
+Kernel files import their sizes from here, so this table is the whole difference.
+"""
+from numba import config
+
+SIMULATED: bool = config.ENABLE_CUDASIM
+
+
+def on_gpu(gpu, simulator):
+    """`gpu` on a real device, `simulator` under NUMBA_ENABLE_CUDASIM=1."""
+    return simulator if SIMULATED else gpu
+
+
+# ---- dense: kernels/dense/ -------------------------------------------------------------
+# matvec: warps per thread block and thread blocks per launch; rows are grid-strided
+MATVEC_MAX_WARPS = on_gpu(8, simulator=1)
+MATVEC_MAX_BLOCKS = on_gpu(16 * 132, simulator=1)
+MATMUL_TILE = on_gpu(64, simulator=16)  # rows of W and rows of x per thread block
+MATMUL_SIDE = on_gpu(16, simulator=8)  # the thread block is SIDE x SIDE threads
+RMSNORM_THREADS = on_gpu(128, simulator=32)  # threads per row
+
+# ---- attention: kernels/attention/ -----------------------------------------------------
+PROMPT_TILE_ROWS = on_gpu(48, simulator=12)  # query rows of a prompt tile
+PROMPT_ROW_GROUPS = on_gpu(8, simulator=2)  # thread rows of a prompt tile
+PROMPT_BLOCKS_PER_SPLIT = on_gpu(4, simulator=64)  # selected blocks per prompt thread block, at least
+COMBINE_GROUPS = on_gpu(16, simulator=1)  # thread rows of the combine kernel
+STEP_THREADS = on_gpu(256, simulator=32)  # threads of a decode step's attention block
+MERGE_UNROLL = on_gpu(8, simulator=2)  # splits a merging thread loads before it adds them
+
+# ---- step: kernels/step/ ----------------------------------------------------------------
+ARGMAX_THREADS = on_gpu(256, simulator=64)  # threads per chunk of logits
+SAMPLE_THREADS = on_gpu(1024, simulator=64)  # threads of top-p's one thread block
+SCORE_WARPS = on_gpu(4, simulator=1)  # (query, block) pairs a QSA scoring thread block takes
+SELECT_CANDIDATES = on_gpu(4, simulator=8)  # blocks a selection thread block ranks
+SELECT_PARTS = on_gpu(64, simulator=4)  # threads per candidate
+SELECT_SHARED_SCORES = on_gpu(4096, simulator=64)  # candidates' scores held in shared memory

@@ -1,0 +1,220 @@
+"""The kernels as the H200 would build them, without a GPU: sm_90 PTX from Numba, then
+ptxas's account of what each kernel holds per thread and per thread block.
+
+The simulator runs a kernel as Python, so it can neither reject code the GPU compiler
+refuses nor say what the kernel costs the SM. Three numbers from ptxas do:
+
+    registers      per thread. An SM has 65,536, so a kernel of 96 registers keeps at
+                   most 21 of the SM's 64 warps resident (matvec's, for example): fewer
+                   loads in flight to hide the memory's latency.
+    shared bytes   static shared memory per thread block. An SM has 228 KiB, less 1 KiB
+                   per block: a 45 KiB block (the step attention's tiles) fits 5 times.
+    spill bytes    registers ptxas could not keep, stored to local memory (DRAM behind
+                   the L1) and loaded back: a kernel that spills is a performance bug.
+
+The launches are recorded under the simulator (`record_launches`: kernel and argument
+types), and a process without the simulator compiles each (`compile_recorded`), so the
+module constants take their GPU values. tests/test_zz_ptx_sm90.py does this for every
+kernel the test suite ran; `tools/kernel_resources.py` prints the table for a decode step.
+ptxas comes with the nvidia-cuda-nvcc-cu12 wheel (the dev extra), or a CUDA toolkit.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+REGISTERS_PER_SM = 65536
+WARPS_PER_SM = 64
+REGISTER_UNIT = 256  # registers are given to a warp in units of 256
+
+
+def type_name(a) -> str:
+    """A kernel argument's Numba type, as a signature spells it."""
+    import numpy as np
+
+    a = getattr(a, "_ary", a)  # a simulator device array wraps a NumPy array
+    if isinstance(a, np.ndarray):
+        dims = [":"] * a.ndim
+        if a.flags.c_contiguous and a.ndim:
+            dims[-1] = "::1"
+        return f"{a.dtype.name}[{', '.join(dims)}]"
+    if isinstance(a, (bool, np.bool_)):
+        return "boolean"
+    if isinstance(a, np.generic):
+        return a.dtype.name
+    return {int: "int64", float: "float64"}[type(a)]
+
+
+def closure_cells(fn, local_prefix: str) -> dict:
+    """fn's closure by name, with the closures of the device functions it calls that the
+    same factory made (a factory argument used only inside one of them still counts)."""
+    cells = {}
+    for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
+        cells.setdefault(name, cell)
+        inner = getattr(cell.cell_contents, "py_func", None)
+        if inner is not None and inner.__qualname__.startswith(local_prefix):
+            for name_, cell_ in closure_cells(inner, local_prefix).items():
+                cells.setdefault(name_, cell_)
+    return cells
+
+
+def variant(fn) -> str:
+    """Which of a factory's kernels fn is: the factory's arguments it was made from
+    (device functions by name, constants by value), read from its closure. Values the
+    factory derives may differ under the simulator (a split's lanes, a tile's rows); its
+    arguments do not, so the compiling process finds the very kernel that was launched."""
+    factory_name = fn.__qualname__.split(".<locals>")[0] if ".<locals>" in fn.__qualname__ else None
+    factory = getattr(sys.modules[fn.__module__], factory_name, None) if factory_name else None
+    if factory is None:
+        return ""
+    params = factory.__code__.co_varnames[:factory.__code__.co_argcount]
+    cells = closure_cells(fn, factory_name + ".<locals>.")
+
+    def describe(obj):
+        inner = getattr(obj, "py_func", None) or getattr(obj, "fn", None) or obj
+        if callable(inner) and hasattr(inner, "__qualname__"):
+            return inner.__qualname__
+        if isinstance(obj, (bool, int, float, str)):
+            return repr(obj)
+        return type(obj).__name__
+
+    return ",".join(f"{name}={describe(cells[name].cell_contents)}" for name in params if name in cells)
+
+
+def record_launches(launches: dict) -> None:
+    """Under the simulator: from now on every launch of a strata_nb kernel adds its
+    signature to launches[(module, qualname, first line, variant)]."""
+    from numba.cuda.simulator import kernel as sim
+
+    call = sim.FakeCUDAKernel.__call__
+
+    def recording_call(self, *args):
+        fn = self.fn
+        # the product's kernels only: importing a test module in the compiling process would
+        # import the tests' conftest, whose simulator hooks would then replace later kernels
+        if not self._device and not sim._kernel_context and fn.__module__.startswith("strata_nb."):
+            key = (fn.__module__, fn.__qualname__, fn.__code__.co_firstlineno, variant(fn))
+            try:
+                launches.setdefault(key, set()).add(f"void({', '.join(type_name(a) for a in args)})")
+            except KeyError:
+                pass  # an argument type we do not map: that launch is not compiled
+        return call(self, *args)
+
+    sim.FakeCUDAKernel.__call__ = recording_call
+
+
+def ptxas() -> str | None:
+    """The ptxas binary: the nvidia-cuda-nvcc wheel's (the same release as the libNVVM
+    Numba compiles with), else one on PATH."""
+    try:
+        import nvidia.cuda_nvcc
+
+        for root in nvidia.cuda_nvcc.__path__:
+            path = Path(root) / "bin" / "ptxas"
+            if path.is_file():
+                return str(path)
+    except ImportError:
+        pass
+    return shutil.which("ptxas")
+
+
+def ptx_usage(ptx: str, binary: str) -> dict:
+    """{registers, shared, spill_stores, spill_loads, stack} of the one kernel in `ptx`."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "k.ptx"
+        path.write_text(ptx)
+        run = subprocess.run([binary, "-arch=sm_90", "-v", str(path), "-o", os.devnull],
+                             capture_output=True, text=True, timeout=300)
+    if run.returncode != 0:
+        raise RuntimeError(f"ptxas failed: {run.stderr[-500:]}")
+    return {**parse_ptxas(run.stderr), "divides": wide_divides(ptx)}
+
+
+def wide_divides(ptx: str) -> int:
+    """64-bit integer divisions and remainders in a kernel's PTX. Numba computes indices
+    in 64 bits, so `e // n` or `e % n` by a value known only at run time (and the trip
+    count of `range(a, b, step)` with a runtime step) becomes one of these, which the GPU
+    has no instruction for: ptxas expands each into a routine of dozens of instructions.
+    A division by a constant compiles to a multiply and shifts, and leaves none."""
+    return len(re.findall(r"\b(?:div|rem)\.[su]64\b", ptx))
+
+
+# --8<-- [start:ptxas_report]
+def parse_ptxas(report: str) -> dict:
+    """ptxas -v's lines for one kernel -> {registers, shared, spill_stores, spill_loads, stack}."""
+    def number(pattern):
+        m = re.search(pattern, report)
+        return int(m.group(1)) if m else 0
+
+    return {"registers": number(r"Used (\d+) registers"), "shared": number(r"(\d+) bytes smem"),
+            "spill_stores": number(r"(\d+) bytes spill stores"), "spill_loads": number(r"(\d+) bytes spill loads"),
+            "stack": number(r"(\d+) bytes stack frame")}
+
+
+def warps_by_registers(registers: int) -> int:
+    """Warps an SM can keep resident at `registers` per thread (the register file alone)."""
+    per_warp = -(-max(registers, 1) * 32 // REGISTER_UNIT) * REGISTER_UNIT
+    return min(WARPS_PER_SM, REGISTERS_PER_SM // per_warp)
+# --8<-- [end:ptxas_report]
+
+
+# Runs in a process without the simulator: finds each recorded kernel among the dispatchers
+# its module holds (kernels made by a factory share a qualname and line: their closures
+# tell them apart), compiles it for sm_90 and, with ptxas, measures it.
+_CHILD = textwrap.dedent('''
+    import importlib, json, sys, types
+    from numba import cuda
+    import numba.cuda.dispatcher
+    from numba.cuda.dispatcher import CUDADispatcher
+    from strata_nb.gpu.sm90 import ptx_usage, variant
+    # compiling a kernel that calls device functions asks for the current device; there is
+    # none here, so answer for the target we compile for
+    numba.cuda.dispatcher.get_current_device = lambda: types.SimpleNamespace(compute_capability=(9, 0))
+    todo, binary = json.load(sys.stdin)
+    def dispatchers(obj, depth=0):
+        if isinstance(obj, CUDADispatcher):
+            yield obj
+        elif isinstance(obj, dict) and depth < 3:
+            for v in obj.values():
+                yield from dispatchers(v, depth + 1)
+    failures, rows = [], []
+    for module, qualname, line, made_from, sigs in todo:
+        mod = importlib.import_module(module)
+        found = [d for v in vars(mod).values() for d in dispatchers(v)
+                 if d.py_func.__qualname__ == qualname and d.py_func.__code__.co_firstlineno == line
+                 and variant(d.py_func) == made_from]
+        if not found:
+            failures.append(f"{module}.{qualname} (line {line}): kernel not found at import")
+            continue
+        kernel = found[0]  # the same factory arguments: the same kernel, however often it was made
+        for sig in sigs:
+            try:
+                ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=(9, 0))
+            except Exception as err:
+                failures.append(f"{module}.{qualname}{sig}: {type(err).__name__}: {str(err)[:300]}")
+                continue
+            if binary:
+                rows.append(dict(kernel=qualname.split(".")[-1], module=module, made_from=made_from, sig=sig,
+                                 **ptx_usage(ptx, binary)))
+    print(json.dumps([failures, rows]))
+''')
+
+
+def compile_recorded(launches: dict, binary: str | None) -> tuple[list[str], list[dict]]:
+    """(failures, rows): each recorded kernel compiled for sm_90 in a process without the
+    simulator; a row per (kernel, signature) with ptxas's numbers when `binary` is set."""
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    todo = [[m, q, line, made_from, sorted(sigs)] for (m, q, line, made_from), sigs in launches.items()]
+    run = subprocess.run([sys.executable, "-c", _CHILD], input=json.dumps([todo, binary]), capture_output=True,
+                         text=True, env=env, timeout=1500)
+    if run.returncode != 0:
+        raise RuntimeError(run.stderr[-3000:])
+    failures, rows = json.loads(run.stdout.strip().splitlines()[-1])
+    return failures, rows

@@ -1,0 +1,430 @@
+"""Attention for a decode step or a verify window: one query per thread block, the cells
+of a split spread over the block's threads, and the splits merged by the block that
+finishes last, so a layer's attention is one launch. Its reference is attention_ref
+(attention.py), which is also what `attention()` runs it against in the tests.
+
+Index legend as attention.py: Q queries, H query heads, G = H // n_kv query heads per
+KV head, D head_dim; a split is `per_split` consecutive columns of the selection, so
+C = per_split * 16 cells.
+
+Why a second kernel. The tiled kernel (attention.py) is built for prompt chunks, where
+a thread block holds up to 48 rows (16 queries x 3 heads) and walks its split's blocks
+one at a time. For one query it holds 3 rows, and every stage per KV block becomes one
+thread's chain: a 64-term dot per (row, cell), a 16-cell softmax per row, four barriers.
+On the H200 that cost 30-34 us a layer at any depth, more than all of a step's matrix
+products. Here every stage is spread over the block:
+
+    unpack    the split's K and V, dequantized into shared tiles: 16 values per
+              column read, neighbouring threads on neighbouring bytes, each byte once
+    scores    one (head, cell) pair per thread: C * G = 192 dots for 4 blocks
+    softmax   one warp per head: warp_max, then warp_sum of the exp weights
+    V sum     one (head, dim) output per thread, a sum over the C cells
+
+Merging the splits in the same launch. Each thread block writes its record (the G
+heads' weighted V sums, max m and sum l), makes it visible to the whole GPU
+(threadfence), and takes a ticket from the (query, KV head)'s counter in `arrivals`.
+The block that draws the last ticket merges every record in split order, exactly as a
+second combine launch would, writes the output and sets the counter back to 0 for the
+next launch or graph replay. One (query, KV head)'s records fill whole 128-byte lines
+(RECORD_PAD), so the merging block cannot hold another group's line in its L1 from an
+earlier read: its loads see what the other blocks wrote.
+
+A lone split. Near an empty context only the first split sees a cell (a replayed step
+lists every block of the cache). When the list is ordered (ascending, -1 padding at the
+end: every list the engine makes) and its column just after the first split is unseen,
+no later column is seen either: the other splits leave after their first barrier, and
+the first goes from its V sums straight to the merge's last stage (`write_output`), with
+no record, ticket or merge. The merge would have weighed its one record by exp(0) = 1
+and added zeros: the same bits.
+
+With `rotate`, the merging block also applies the Hadamard transform to each head row
+(hadamard.py's butterflies, one pair per thread per round, the same additions in the
+same order: the same bits as hadamard_ref on the output), which is how a rotated V comes
+back without another launch.
+
+Tolerance against attention_ref: attention.py's ATOL and RTOL. The arithmetic differs
+from the reference only in the order of float32 sums (a 64-term dot per score, the split
+softmax, the merge) and in exp, as the tiled kernel's does.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import cuda, float32, int32
+
+from strata_nb.kernels.kv.hadamard import fwht64_rows
+from strata_nb.kernels.kv.kv_readers import READERS, SIDES
+from strata_nb.gpu.launch import device_empty, last_to_arrive, stream, ticket_counters
+from strata_nb.gpu.geometry import MERGE_UNROLL, STEP_THREADS
+from strata_nb.gpu.reduce import WARP, warp_max, warp_sum
+from strata_nb.kv_layout import BLOCK
+
+NEG_INF = np.float32(-np.inf)
+MAX_GROUP = 8  # query heads per KV head the shared arrays hold
+HEAD_DIMS = (32, 64, 128)  # head_dim is compiled into the kernel: these are built
+MAX_HEAD_DIM = 128
+Q_VALUES = MAX_GROUP * MAX_HEAD_DIM  # the G query rows of one KV head
+MAX_SPLIT_BLOCKS = 8
+MAX_SPLIT_CELLS = MAX_SPLIT_BLOCKS * BLOCK
+# The shared K and V tiles of a split, dequantized: 64 cells x 64 dims for the default
+# model (K rows padded by one value, so a warp scoring 32 cells reads 32 banks), 33 KiB.
+# After the scores the K tile holds the merge's split weights: G * n_splits of them.
+K_TILE_VALUES = 64 * 65
+V_TILE_VALUES = 64 * 64
+# A split of 4 blocks (64 cells) for 256 threads: four threads per cell, each scoring a
+# quarter of D for all G heads; 8K context is 128 splits x 3 KV heads = 384 thread
+# blocks on 132 SMs. 256 threads, not 128, cut each stage's chain of work per thread:
+# 12.2 us against 14.5 at 1,024 cells, 22.8 against 23.6 at 8,192 (fp16, H200,
+# tools/kernel_ab.py). Under the simulator every thread is a Python thread: one warp there.
+STEP_BLOCKS_PER_SPLIT = 4
+# The (part, head, cell) partial scores, and after them the (lane, head, dim) V sums: at
+# most this many, so score_parts and split_lanes use fewer threads for a large G or D.
+SCORE_VALUES = MAX_GROUP * 128
+# Splits a merging thread loads before it adds them, so the loads are in flight together.
+# The simulator pads to 2, not 8: every padded split is 32 more Python threads there.
+RECORD_PAD = 32  # floats after a record's D sums: m, l, then padding to whole 128-byte lines
+
+
+def split_fits(head_dim: int) -> int:
+    """The most selected blocks a split can take: its K and V tiles fit the shared arrays."""
+    return min(MAX_SPLIT_BLOCKS, K_TILE_VALUES // (BLOCK * (head_dim + 1)), V_TILE_VALUES // (BLOCK * head_dim))
+
+
+def record_width(head_dim: int) -> int:
+    """Floats per (split, head) record: D sums, m, l, rounded up to whole 128-byte lines."""
+    return -(-(head_dim + 2) // RECORD_PAD) * RECORD_PAD
+
+
+def score_parts(cells: int, head_dim: int, group: int, n_threads: int = STEP_THREADS) -> int:
+    """Threads per cell in the scores: as many as the block has for the split's cells, a
+    power of two dividing head_dim, while the partial scores fit SCORE_VALUES."""
+    parts = 1
+    while (parts * 2 * cells <= n_threads and head_dim % (parts * 2) == 0
+           and parts * 2 * cells * group <= SCORE_VALUES):
+        parts *= 2
+    return parts
+
+
+def split_lanes(head_dim: int, group: int, n_threads: int = STEP_THREADS) -> int:
+    """Threads per output dim in the V sums and the merge (each takes every lanes-th cell
+    or split): 4 for 256 threads and D = 64, while the lanes' sums fit SCORE_VALUES."""
+    lanes = max(1, n_threads // head_dim)
+    while lanes > 1 and lanes * group * head_dim > SCORE_VALUES:
+        lanes //= 2
+    return lanes
+
+
+def padded_splits(n_columns: int, per_split: int, head_dim: int, group: int) -> int:
+    """Splits for n_columns selected blocks, rounded up so each merging thread's share is
+    whole rounds of MERGE_UNROLL (the extra splits see nothing: weight 0)."""
+    unit = split_lanes(head_dim, group) * MERGE_UNROLL
+    return -(-max(1, -(-n_columns // per_split)) // unit) * unit
+
+
+def max_cells(head_dim: int, group: int) -> int:
+    """The most cells one query's list may cover at the default split: the merge keeps a
+    weight per (head, split) in the K tile (K_TILE_VALUES), in whole merge rounds. The
+    backend checks --max-context against it (88,064 cells for the default model)."""
+    per_split = min(STEP_BLOCKS_PER_SPLIT, split_fits(head_dim))
+    unit = split_lanes(head_dim, group) * MERGE_UNROLL
+    return K_TILE_VALUES // group // unit * unit * per_split * BLOCK
+
+
+# --8<-- [start:attention_step_kernel]
+def make_attention_step_kernel(read_k, read_v, G, D, per_split):
+    """The kernel for one format (how it reads a column of K and of V: kv_readers.py), G
+    query heads per KV head, head_dim D and `per_split` selected blocks per split. All
+    are compiled in, with the block's thread count: the loops over heads unroll and a
+    thread's G sums live in registers, and every index is divided by a constant. (Numba
+    does integer arithmetic in 64 bits; a division by a value known only at run time,
+    a loop's trip count over a runtime stride included, is a long software routine.)"""
+    LANES = split_lanes(D, G)
+    N_THREADS = STEP_THREADS
+    N_WARPS = N_THREADS // WARP
+    CELLS = per_split * BLOCK
+    PARTS = score_parts(CELLS, D, G)
+    SPAN = D // PARTS  # terms of a score's dot each of its PARTS threads adds
+
+    @cuda.jit(device=True)
+    def write_output(dots,     # [(lane * G + g) * D + d]: the head rows' sums, by lane
+                     total,    # [g]: each head's sum of weights
+                     merged,   # (MAX_GROUP, >= D) shared scratch
+                     out, i, kv_h, t, rotate):
+        """The lanes' sums added in lane order over each head's weight (0 with none),
+        rotated when asked, into out: the merge's end, and a lone split's."""
+        for e in range(t, G * D, N_THREADS):
+            g, d = e // D, e % D
+            x = float32(0.0)
+            for ls in range(LANES):
+                x += dots[(ls * G + g) * D + d]
+            merged[g, d] = x / total[g] if total[g] > 0 else float32(0.0)
+        cuda.syncthreads()
+        if rotate == 1:
+            fwht64_rows(merged, G, D, t, N_THREADS)
+        for e in range(t, G * D, N_THREADS):
+            g, d = e // D, e % D
+            out[i, kv_h * G + g, d] = merged[g, d]
+
+    @cuda.jit
+    def attention_step_kernel(q,           # (Q, G * n_kv, D) float32
+                              q_pos,       # (Q,) int32
+                              blocks,      # (Q, S) int32, -1 = padding
+                              page_table,  # (n_logical_blocks,) int32
+                              scale,       # float32: 1 / sqrt(D)
+                              ordered,     # int32: 1 = each row of blocks ascends, its -1 padding at the end
+                              rotate,      # int32: 1 = apply H to each output head row
+                              pool_ka, pool_kb, pool_va, pool_vb,  # K and V of the pool, by slot
+                              host_ka, host_kb, host_va, host_vb,  # the same by logical block, or (0, ...)
+                              records,     # (Q, n_kv, n_splits, G, record_width(D)) float32 scratch
+                              arrivals,    # (Q, n_kv) int32: 0 before the launch, 0 after it
+                              out):        # (Q, G * n_kv, D) float32, written
+        i, kv_h, split = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
+        t = cuda.threadIdx.x  # of N_THREADS: the launch gives that many
+        warp, lane = t // WARP, t % WARP
+        n_splits = records.shape[2]
+        pos = q_pos[i]
+        q_g = cuda.shared.array(Q_VALUES, float32)  # q_g[g * D + j]: head kv_h * G + g
+        k_tile = cuda.shared.array(K_TILE_VALUES, float32)  # k_tile[c * (D + 1) + j]: cell c of the split
+        v_tile = cuda.shared.array(V_TILE_VALUES, float32)  # v_tile[c * D + d]
+        dots = cuda.shared.array(SCORE_VALUES, float32)  # [(p * G + g) * CELLS + c] partial scores
+        weights = cuda.shared.array((MAX_GROUP, MAX_SPLIT_CELLS), float32)  # exp weights, -1 = masked
+        row = cuda.shared.array(MAX_SPLIT_BLOCKS, int32)  # column s is read at slot (or block) row[s]
+        alone = cuda.shared.array(1, int32)  # 1 = a lone split (below)
+        from_host = cuda.shared.array(MAX_SPLIT_BLOCKS, int32)  # ... of the host copy when 1
+        start = cuda.shared.array(MAX_SPLIT_BLOCKS, int32)  # its first cell's position, -1 = unseen
+        top = cuda.shared.array(MAX_GROUP, float32)  # each head's max, then the merged max
+        total = cuda.shared.array(MAX_GROUP, float32)  # each head's sum of weights, then merged
+        seen_end = cuda.shared.array(MAX_GROUP, int32)  # the merge: 1 + the last split each head saw
+        column = cuda.local.array(BLOCK, float32)  # value u of one block's 16 K (or V) rows
+        acc = cuda.local.array(G, float32)  # this thread's sum for each head (registers: G is fixed)
+        ahead = cuda.local.array((MERGE_UNROLL, G), float32)  # the merge's loads in flight
+
+        # A lone split: in an ordered list whose column per_split is unseen (padding, or
+        # after the query), no split but the first sees a cell. The others leave, and the
+        # first writes the output itself: no records, no ticket, no merge. Every thread
+        # block of the query reads that one column, beside its own, so all decide alike
+        # and none waits longer for its list.
+        if t == N_THREADS - 1:
+            b = blocks[i, per_split] if ordered == 1 and per_split < blocks.shape[1] else -1
+            alone[0] = 1 if ordered == 1 and (b < 0 or b * BLOCK > pos) else 0
+        first = split * per_split
+        for s in range(t, per_split, N_THREADS):
+            b = blocks[i, first + s] if first + s < blocks.shape[1] else -1
+            seen = b >= 0 and b * BLOCK <= pos  # padding, or a block wholly after the query: unseen
+            slot = page_table[b] if seen else -1
+            start[s] = b * BLOCK if seen else -1
+            row[s] = slot if slot >= 0 else b
+            from_host[s] = 1 if slot < 0 else 0
+        cuda.syncthreads()
+        lone = alone[0]
+        if lone == 1 and split > 0:
+            return  # the whole thread block, past its only barrier so far
+
+        # A split that sees no cell (a replayed resident step lists every block of the
+        # cache, so at a short context most splits are past the query) skips to its
+        # record: sums 0, m = -inf, l = 0, which the merge weighs 0.
+        seen_any = 0
+        for s in range(per_split):
+            if start[s] >= 0:
+                seen_any = 1
+        if seen_any == 1:  # the same for every thread: the barriers inside are reached by all
+            for e in range(t, G * D, N_THREADS):
+                q_g[e] = q[i, kv_h * G + e // D, e % D]
+            # Unpack: thread u of a column reads value u of the block's 16 K (or V) rows. All
+            # 16 cells, even those after the query (unwritten bytes, maybe NaN): their scores
+            # are never computed and their V never weighted.
+            for e in range(t, per_split * 2 * D, N_THREADS):
+                s, u = e // (2 * D), e % (2 * D)
+                if start[s] >= 0:
+                    r = row[s]
+                    if u < D:
+                        if from_host[s] == 1:
+                            read_k(host_ka, host_kb, r, kv_h, u, column)
+                        else:
+                            read_k(pool_ka, pool_kb, r, kv_h, u, column)
+                        for c in range(BLOCK):
+                            k_tile[(s * BLOCK + c) * (D + 1) + u] = column[c]
+                    else:
+                        if from_host[s] == 1:
+                            read_v(host_va, host_vb, r, kv_h, u - D, column)
+                        else:
+                            read_v(pool_va, pool_vb, r, kv_h, u - D, column)
+                        for c in range(BLOCK):
+                            v_tile[(s * BLOCK + c) * D + u - D] = column[c]
+            cuda.syncthreads()
+
+            # Partial scores: thread (p, c) dots part p of cell c's K row with all G query rows
+            # (each K value read once for the G heads). Cells after the query are skipped.
+            for e in range(t, PARTS * CELLS, N_THREADS):
+                p, c = e // CELLS, e % CELLS
+                s = c // BLOCK
+                if start[s] >= 0 and start[s] + c % BLOCK <= pos:
+                    for g in range(G):
+                        acc[g] = float32(0.0)
+                    for jj in range(SPAN):  # a constant trip count: the loop unrolls
+                        j = p * SPAN + jj
+                        k = k_tile[c * (D + 1) + j]
+                        for g in range(G):
+                            acc[g] += q_g[g * D + j] * k
+                    for g in range(G):
+                        dots[(p * G + g) * CELLS + c] = acc[g]
+            cuda.syncthreads()
+
+            # Softmax of each head over the split's cells, one warp per head (rounds of
+            # N_WARPS heads, so every warp reaches each reduction together). A masked cell's
+            # weight is -1 for every head: its V is never read.
+            for g0 in range(0, G, N_WARPS):
+                g = g0 + warp
+                m = NEG_INF
+                if g < G:
+                    for c in range(lane, CELLS, WARP):
+                        x = NEG_INF
+                        if start[c // BLOCK] >= 0 and start[c // BLOCK] + c % BLOCK <= pos:
+                            x = float32(0.0)
+                            for p in range(PARTS):
+                                x += dots[(p * G + g) * CELLS + c]
+                            x *= scale
+                        weights[g, c] = x
+                        m = max(m, x)
+                m = warp_max(m)
+                l = float32(0.0)
+                if g < G:
+                    for c in range(lane, CELLS, WARP):
+                        x = weights[g, c]
+                        if x > NEG_INF:
+                            x = math.exp(x - m)
+                            l += x
+                        else:
+                            x = float32(-1.0)
+                        weights[g, c] = x
+                l = warp_sum(l)
+                if g < G and lane == 0:
+                    top[g], total[g] = m, l
+            cuda.syncthreads()
+
+            # This split's record: thread (lane_c, d) sums V[c, d] over every LANES-th cell for
+            # all G heads; the lanes' sums meet in shared memory (dots), added in lane order.
+            for e in range(t, LANES * D, N_THREADS):
+                lc, d = e // D, e % D
+                for g in range(G):
+                    acc[g] = float32(0.0)
+                for c in range(lc, CELLS, LANES):
+                    if weights[0, c] >= 0:  # a masked cell may hold NaN: 0 * NaN is NaN
+                        v = v_tile[c * D + d]
+                        for g in range(G):
+                            acc[g] += weights[g, c] * v
+                for g in range(G):
+                    dots[(lc * G + g) * D + d] = acc[g]
+            cuda.syncthreads()
+        if lone == 1:  # the V sums by lane are in dots, each head's sum of weights in total
+            if seen_any == 0:
+                for g in range(t, G, N_THREADS):
+                    total[g] = float32(0.0)  # no cell: the output is 0, as the merge gives
+                cuda.syncthreads()
+            write_output(dots, total, weights, out, i, kv_h, t, rotate)
+            return
+        for e in range(t, G * D, N_THREADS):
+            g, d = e // D, e % D
+            x = float32(0.0)
+            if seen_any == 1:
+                for lc in range(LANES):
+                    x += dots[(lc * G + g) * D + d]
+            records[i, kv_h, split, g, d] = x
+        for g in range(t, G, N_THREADS):
+            records[i, kv_h, split, g, D] = top[g] if seen_any == 1 else NEG_INF
+            records[i, kv_h, split, g, D + 1] = total[g] if seen_any == 1 else float32(0.0)
+
+        # The ticket: the block that draws the last one merges.
+        if last_to_arrive(arrivals, (i, kv_h), n_splits) == 0:
+            return
+
+        # The merge, by the last block: each split's sums rescaled to the largest max. A
+        # split that saw no cell has m = -inf and l = sums = 0: weight 0. First each head's
+        # max, and the end of the splits that saw anything (a short context in a long list
+        # leaves most of them empty), one warp per head.
+        for g0 in range(0, G, N_WARPS):
+            g = g0 + warp
+            m, last_seen = NEG_INF, float32(0.0)
+            if g < G:
+                for s in range(lane, n_splits, WARP):
+                    m_s = records[i, kv_h, s, g, D]
+                    m = max(m, m_s)
+                    if m_s > NEG_INF:
+                        last_seen = float32(s + 1)
+            m = warp_max(m)
+            last_seen = warp_max(last_seen)  # a float: the warp reductions take float32
+            if g < G and lane == 0:
+                top[g], seen_end[g] = m, int(last_seen)
+        cuda.syncthreads()
+        unit = LANES * MERGE_UNROLL
+        end = 0
+        for g in range(G):
+            end = max(end, seen_end[g])
+        end = -(-end // unit) * unit  # whole rounds: n_splits is a multiple of unit
+        split_w = k_tile  # the tiles are done with: split s's weight for head g at [g * n_splits + s]
+        for g in range(G):
+            for s in range(t, n_splits, N_THREADS):
+                m = records[i, kv_h, s, g, D] if s < end else NEG_INF
+                split_w[g * n_splits + s] = math.exp(m - top[g]) if m > NEG_INF else float32(0.0)
+        cuda.syncthreads()
+        for g0 in range(0, G, N_WARPS):
+            g = g0 + warp
+            l = float32(0.0)
+            if g < G:
+                for s in range(lane, end, WARP):
+                    l += records[i, kv_h, s, g, D + 1] * split_w[g * n_splits + s]
+            l = warp_sum(l)
+            if g < G and lane == 0:
+                total[g] = l
+        # Thread (lane_s, d) adds every LANES-th split for all G heads, MERGE_UNROLL splits
+        # at a time: their loads go out together.
+        for e in range(t, LANES * D, N_THREADS):
+            ls, d = e // D, e % D
+            for g in range(G):
+                acc[g] = float32(0.0)
+            for s0 in range(ls, end, unit):
+                for u in range(MERGE_UNROLL):
+                    for g in range(G):
+                        ahead[u, g] = records[i, kv_h, s0 + u * LANES, g, d]
+                for u in range(MERGE_UNROLL):
+                    for g in range(G):
+                        acc[g] += ahead[u, g] * split_w[g * n_splits + s0 + u * LANES]
+            for g in range(G):
+                dots[(ls * G + g) * D + d] = acc[g]
+        cuda.syncthreads()
+        write_output(dots, total, weights, out, i, kv_h, t, rotate)
+
+    return attention_step_kernel
+# --8<-- [end:attention_step_kernel]
+
+
+# One kernel per (format, G, head_dim, blocks per split), made at import so a sm_90
+# compile can find them; Numba compiles each on its first launch.
+SPLIT_CHOICES = (1, 2, 4)  # blocks per split a launch may ask for (and the tiles hold)
+STEP_KERNELS = {(fmt, g, d, n): make_attention_step_kernel(READERS[k], READERS[v], g, d, n)
+                for fmt, (k, v) in SIDES.items() for g in range(1, MAX_GROUP + 1) for d in HEAD_DIMS
+                for n in SPLIT_CHOICES if n <= split_fits(d)}
+
+
+def attention_step(fmt, n_kv, args, sides, out, rotate_out: bool, per_split: int | None, ordered: bool = False):
+    """Launch the step kernel; attention() has checked the arrays and moved them.
+    args: (q, q_pos, blocks, page_table, scale), sides: the eight pool and host arrays
+    (attention.py: side_arrays), out: the device output. per_split None = the default.
+    ordered: every row of blocks ascends with its -1 padding at the end, so a query whose
+    cells all lie in its first split skips the merge (the kernel's lone split)."""
+    q, blocks = args[0], args[2]
+    n_q, n_heads, head_dim = q.shape
+    group = n_heads // n_kv
+    fits = split_fits(head_dim)
+    per_split = min(STEP_BLOCKS_PER_SPLIT, fits) if per_split is None else per_split
+    assert per_split in SPLIT_CHOICES and per_split <= fits, \
+        f"per_split {per_split} is not one of {SPLIT_CHOICES} up to {fits} (the shared tiles)"
+    assert group <= MAX_GROUP and head_dim in HEAD_DIMS, \
+        f"no step kernel for {group} query heads per KV head of {head_dim} (built: <= {MAX_GROUP}, {HEAD_DIMS})"
+    n_splits = padded_splits(blocks.shape[1], per_split, head_dim, group)
+    assert group * n_splits <= K_TILE_VALUES, f"{n_splits} splits: raise per_split for the merge's weights"
+    records = device_empty((n_q, n_kv, n_splits, group, record_width(head_dim)), np.float32)
+    STEP_KERNELS[fmt, group, head_dim, per_split][(n_q, n_kv, n_splits), STEP_THREADS, stream()](
+        *args, np.int32(ordered), np.int32(rotate_out), *sides, records,
+        ticket_counters("attention_step", (n_q, n_kv)), out)

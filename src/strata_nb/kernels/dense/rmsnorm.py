@@ -1,0 +1,85 @@
+"""RMS norm: each row of x scaled to unit root-mean-square, then by a learned weight.
+
+    out[i] = x[i] * 1 / sqrt(mean(x[i]^2) + eps) * w
+
+One thread block per row: its threads each add the squares of a strided share of the row
+(neighbouring threads, neighbouring values: coalesced), `block_sum` (reduce.py) combines
+them, and every thread then scales its share. The row is read twice; at d = 576 both
+reads hit the cache.
+
+Tolerance: the only difference from the reference is the order of the float32 sum of
+squares (the reference's pairwise sum against per-thread runs and a tree). A float32 sum
+of d non-negative terms is within (d - 1) u of the exact value, relatively, in any order
+(u = 2^-24), so the two sums differ by at most 2 (d - 1) u relatively; the square root
+halves that, and the other roundings on each side (the mean, + eps, the square root, the
+reciprocal, two products: 6 each) keep the two within 9 u more. So
+|out - ref| <= (d + 8) u |ref|: `rmsnorm_tolerance`. (Both sums are in fact far closer
+than (d - 1) u: pairwise and per-thread runs of d / 32 terms; the bound needs no guess
+about either order.)
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import cuda, float32
+
+from strata_nb.gpu.launch import DeviceArgs, expect, stream
+from strata_nb.gpu.geometry import RMSNORM_THREADS
+from strata_nb.gpu.reduce import block_sum
+
+# Threads per row: 4 warps on a GPU; one warp under the simulator, where each thread is a
+# Python thread and each barrier waits for all of them.
+THREADS = RMSNORM_THREADS
+U = 2.0 ** -24  # float32 unit roundoff
+
+
+# --8<-- [start:rmsnorm_ref]
+def rmsnorm_ref(x,    # (n, d) float32
+                w,    # (d,) float32
+                eps,  # float
+                out):  # (n, d) float32, written
+    ms = np.mean(x * x, axis=-1, keepdims=True)
+    out[...] = x * (1.0 / np.sqrt(ms + np.float32(eps))) * w
+
+
+def rmsnorm_tolerance(ref):
+    """|kernel - ref| bound, elementwise (module docstring)."""
+    return (ref.shape[-1] + 8) * U * np.abs(ref)
+# --8<-- [end:rmsnorm_ref]
+
+
+# --8<-- [start:rmsnorm_kernel]
+@cuda.jit(device=True)
+def inv_rms(sum_squares, d, eps):
+    """1 / sqrt(mean + eps) from a row's float32 sum of squares over d values (matvec's
+    normed kernels use it too)."""
+    return float32(1.0) / math.sqrt(sum_squares / float32(d) + eps)
+
+
+@cuda.jit
+def rmsnorm_kernel(x,    # (n, d) float32
+                   w,    # (d,) float32
+                   eps,  # float32
+                   out):  # (n, d) float32, written
+    i, d = cuda.blockIdx.x, x.shape[1]
+    squares = float32(0.0)
+    for j in range(cuda.threadIdx.x, d, cuda.blockDim.x):
+        squares += x[i, j] * x[i, j]
+    total = block_sum(squares)  # every thread of the block gets the row's sum
+    inv = inv_rms(total, d, eps)
+    for j in range(cuda.threadIdx.x, d, cuda.blockDim.x):
+        out[i, j] = x[i, j] * inv * w[j]
+# --8<-- [end:rmsnorm_kernel]
+
+
+def rmsnorm(x, w, eps, out):
+    """Like rmsnorm_ref, on the device. NumPy arguments are moved (out is written back)."""
+    expect("x", x, np.float32, (None, None))
+    n, d = x.shape
+    expect("w", w, np.float32, (d,))
+    expect("out", out, np.float32, (n, d))
+    if n == 0:
+        return
+    with DeviceArgs() as dev:
+        rmsnorm_kernel[n, THREADS, stream()](dev.read(x), dev.read(w), np.float32(eps), dev.write(out))

@@ -1,0 +1,157 @@
+"""The 64-point fast Walsh-Hadamard transform, applied to every 64 consecutive values.
+
+q4_0 keeps one scale per 32 values, so a single outlier in a head row costs its 31
+neighbours their precision. Multiplying the row by an orthonormal Hadamard matrix H
+spreads every value over all 64 outputs first. H / 8 is orthonormal and symmetric, so
+it is its own inverse and keeps dot products: <Hq, Hk> = <q, k>, which is why rotating
+K and Q leaves attention scores unchanged, and why a rotated V needs one H on the
+attention output to come back (DESIGN.md, "KV cells, blocks, formats").
+
+The fast transform is 6 rounds of butterflies (a, b) -> (a + b, a - b) instead of a
+64 x 64 matrix product: 6 * 64 additions instead of 64 * 64 multiply-adds. The kernel
+and the reference do the same additions in the same order, so they agree bit for bit.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import cuda, float32
+
+from strata_nb.gpu.geometry import SIMULATED
+
+from strata_nb.gpu.launch import DeviceArgs, device_empty, grid_for, is_host_numpy
+from strata_nb.gpu.reduce import WARP
+
+if SIMULATED:
+    from strata_nb.gpu.reduce import exchange
+else:
+    from strata_nb.gpu.reduce import warp_xor
+
+N = 64  # values per transform: one head row of the default model
+LOG_N = 6  # its rounds: N = 2 ** LOG_N
+SCALE = np.float32(1 / 8)  # 1 / sqrt(64): makes H orthonormal; a power of two, so exact
+
+
+# --8<-- [start:hadamard_ref]
+def hadamard_ref(x):
+    """x: (..., 64k) float32 -> the same shape, each consecutive 64 values transformed."""
+    assert x.shape[-1] % N == 0, f"last axis {x.shape[-1]} is not a multiple of {N}"
+    rows = np.asarray(x, dtype=np.float32).reshape(-1, N)  # (rows, 64)
+    h = 1
+    while h < N:
+        # Split each run of 2h values into its halves a and b; the butterfly pairs
+        # value j of a with value j of b.
+        pairs = rows.reshape(-1, N // (2 * h), 2, h)
+        a, b = pairs[:, :, 0, :], pairs[:, :, 1, :]
+        rows = np.stack([a + b, a - b], axis=2).reshape(-1, N)
+        h *= 2
+    return (rows * SCALE).reshape(x.shape)
+# --8<-- [end:hadamard_ref]
+
+
+# --8<-- [start:fwht64]
+@cuda.jit(device=True)
+def fwht64(row):
+    """Transform row in place: row is (64,) float32 in local or shared memory.
+
+    One thread does all 6 rounds; a kernel that rotates a head row before quantizing
+    it calls this on the row it already holds.
+    """
+    h = 1
+    while h < N:
+        for start in range(0, N, 2 * h):
+            for j in range(start, start + h):
+                a = row[j]
+                b = row[j + h]
+                row[j] = a + b
+                row[j + h] = a - b
+        h *= 2
+    for j in range(N):
+        row[j] = row[j] * SCALE
+
+
+@cuda.jit(device=True)
+def fwht64_rows(rows, n_rows, width, t, n_threads):
+    """Transform rows[r, :width] in place for r < n_rows, every 64 values: rows is a 2-D
+    shared array, and every thread of the block calls this together (thread t of
+    n_threads). fwht64's rounds with one butterfly per thread per round and a barrier
+    between rounds: the same additions in the same order, so the same bits."""
+    for lg in range(LOG_N):  # round lg pairs values h = 2**lg apart
+        h = 1 << lg
+        for p in range(t, n_rows * width // 2, n_threads):
+            r, k = p // (width // 2), p % (width // 2)
+            # pair (j, j + h) of its run of 2h values: (k // h) * 2h + k % h, in shifts
+            # (h is a power of two, and a division by a runtime value is slow on a GPU)
+            j = ((k >> lg) << (lg + 1)) | (k & (h - 1))
+            a = rows[r, j]
+            b = rows[r, j + h]
+            rows[r, j] = a + b
+            rows[r, j + h] = a - b
+        cuda.syncthreads()
+    for e in range(t, n_rows * width, n_threads):
+        rows[e // width, e % width] *= SCALE
+    cuda.syncthreads()
+
+
+if not SIMULATED:
+    @cuda.jit(device=True)
+    def fwht64_lanes(a, b, lane):
+        """A 64-value row held by one warp, two values a lane: a = row[lane], b = row[lane + 32]
+        -> the same two entries of the transformed row. Every lane of the warp calls it
+        together. Rounds h = 1..16 pair values in lanes whose index differs in bit h, so a
+        shuffle (warp_xor) brings the partner's value; the lane that holds the pair's lower
+        index keeps a + b, the other a - b (partner minus own). Round h = 32 pairs each
+        lane's own two values. fwht64's additions in its order: the same bits."""
+        for lg in range(LOG_N - 1):
+            h = 1 << lg
+            pa = warp_xor(a, h)
+            pb = warp_xor(b, h)
+            if lane & h:  # this lane holds j + h: the pair's second value
+                a, b = pa - a, pb - b
+            else:
+                a, b = a + pa, b + pb
+        a, b = a + b, a - b
+        return a * SCALE, b * SCALE
+
+else:
+    @cuda.jit(device=True)
+    def fwht64_lanes(a, b, lane):
+        """Under the simulator each shuffle is a block-wide barrier (reduce.py), so the
+        lanes trade their values once instead of ten times (two exchanges) and each runs
+        hadamard_ref's rounds, the same additions in the same order, on the whole row."""
+        row = hadamard_ref(np.concatenate((exchange(a), exchange(b))))
+        return row[lane], row[lane + WARP]
+# --8<-- [end:fwht64]
+
+
+# --8<-- [start:hadamard_kernel]
+@cuda.jit
+def hadamard_kernel(x,    # (rows, 64) float32
+                    out):  # (rows, 64) float32, written
+    r = cuda.grid(1)  # one thread per row: the transform mixes all 64 values of its row
+    if r < x.shape[0]:
+        row = cuda.local.array(N, float32)  # registers/local memory: private to the thread
+        for j in range(N):
+            row[j] = x[r, j]
+        fwht64(row)
+        for j in range(N):
+            out[r, j] = row[j]
+# --8<-- [end:hadamard_kernel]
+
+
+def hadamard(x, out=None):
+    """Like hadamard_ref. x: (..., 64k) float32, NumPy or device; returns the same kind,
+    or writes `out` (x's shape) when given."""
+    *_, width = x.shape  # not x.shape[-1]: the simulator's device shapes refuse index -1
+    assert x.dtype == np.float32, f"x is {x.dtype}, want float32"
+    assert width % N == 0, f"last axis {width} is not a multiple of {N}"
+    n_rows = x.size // N
+    if out is None:
+        out = np.empty(x.shape, np.float32) if is_host_numpy(x) else device_empty(x.shape, np.float32)
+    assert out.shape == x.shape and out.dtype == np.float32, f"out is {out.shape} {out.dtype}, want {x.shape} float32"
+    if n_rows == 0:
+        return out
+    with DeviceArgs() as dev:
+        rows_in = dev.read(x).reshape(n_rows, N)
+        rows_out = dev.write(out).reshape(n_rows, N)
+        hadamard_kernel[grid_for(n_rows)](rows_in, rows_out)
+    return out
