@@ -50,9 +50,11 @@ PER_THREAD = TILE // SIDE  # each thread: 4 rows of W x 4 rows of x on a GPU
 
 
 # --8<-- [start:matmul_ref]
-def matmul_ref(x, raw, qtype, y):
-    """x (n, in) float32, raw (out, bytes_per_row) uint8, y (n, out) float32 written:
-    the same product as matvec_ref, for any n."""
+def matmul_ref(x,      # (n, in) float32
+               raw,    # (out, bytes_per_row) uint8: W's GGUF rows
+               qtype,  # "Q4_0", "Q4_1", "Q8_0", "F16" or "F32"
+               y):     # (n, out) float32, written
+    """The same product as matvec_ref, for any n."""
     matvec_ref(x, raw, qtype, y)
 # --8<-- [end:matmul_ref]
 

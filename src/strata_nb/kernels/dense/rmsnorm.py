@@ -3,9 +3,9 @@
     out[i] = x[i] * 1 / sqrt(mean(x[i]^2) + eps) * w
 
 One thread block per row: its threads each add the squares of a strided share of the row
-(neighbouring threads, neighbouring values: coalesced), `block_sum` (reduce.py) combines
-them, and every thread then scales its share. The row is read twice; at d = 576 both
-reads hit the cache.
+(neighbouring threads, neighbouring values: coalesced), `block_sum` (gpu/reduce.py)
+combines them, and every thread then scales its share. The row is read twice; at d = 576
+both reads hit the cache.
 
 Tolerance: the only difference from the reference is the order of the float32 sum of
 squares (the reference's pairwise sum against per-thread runs and a tree). A float32 sum

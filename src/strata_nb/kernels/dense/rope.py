@@ -1,5 +1,5 @@
 """RoPE on the fused q|k|v projection: split each row into q, k and v heads, and rotate q
-and k by their position's angles (DESIGN.md, "The default model": adjacent pairs).
+and k by their position's angles (docs/design.md, "The default model": adjacent pairs).
 
 llama.cpp's converter permuted the Q/K rows of the stored weights, so on them the pairs
 that rotate together are (2i, 2i+1), by angle pos * base^(-2i/hd); the cos/sin rows come
@@ -7,8 +7,9 @@ from the rope tables gathered by position (embed.py). V passes through unrotated
 
 One thread per (row, head, pair): it reads two neighbouring values and writes two, so
 neighbouring threads touch neighbouring memory. The products go through `mul_rn`
-(quant_q4_0.py) so the GPU compiler cannot fuse `x0 * c - x1 * s` into one fma: each
-product rounds on its own, as in NumPy, and the kernel equals the reference bit for bit.
+(kernels/kv/quant_q4_0.py) so the GPU compiler cannot fuse `x0 * c - x1 * s` into one
+fma: each product rounds on its own, as in NumPy, and the kernel equals the reference
+bit for bit.
 """
 from __future__ import annotations
 

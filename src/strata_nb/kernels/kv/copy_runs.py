@@ -1,9 +1,10 @@
 """Copy whole blocks between two arrays of one run: the one kernel every KV mover uses.
 
-A block is one contiguous byte run in each of its format's arrays (DESIGN.md), so moving
-block b of the host copy into VRAM slot s is, per run, one copy of `run_bytes` bytes. The
-movers (miss fill, prompt staging, ring restore, snapshots) loop over `runs_of(fmt)` and
-call this once per run with every (src, dst) pair of the step; none of them knows a format.
+A block is one contiguous byte run in each of its format's arrays (docs/design.md, "KV
+cells, blocks, formats"), so moving block b of the host copy into VRAM slot s is, per run,
+one copy of `run_bytes` bytes. The movers (miss fill, prompt staging, ring restore,
+snapshots) loop over `runs_of(fmt)` and call this once per run with every (src, dst) pair
+of the step; none of them knows a format.
 
 Threads copy 4-byte words: every run of every format is a multiple of 16 bytes, and a word
 per thread keeps neighbouring threads on neighbouring addresses (coalesced).
@@ -27,7 +28,7 @@ def copy_runs_ref(src,        # (n_src_blocks, run_words) uint32: one run of a p
 
 # --8<-- [start:copy_runs_kernel]
 @cuda.jit
-def copy_runs_kernel(src, dst, src_index, dst_index):
+def copy_runs_kernel(src, dst, src_index, dst_index):  # shapes as copy_runs_ref
     lane = cuda.grid(1)  # one 4-byte word of one copied block
     words = src.shape[1]
     i, w = lane // words, lane % words

@@ -5,7 +5,7 @@ neighbours their precision. Multiplying the row by an orthonormal Hadamard matri
 spreads every value over all 64 outputs first. H / 8 is orthonormal and symmetric, so
 it is its own inverse and keeps dot products: <Hq, Hk> = <q, k>, which is why rotating
 K and Q leaves attention scores unchanged, and why a rotated V needs one H on the
-attention output to come back (DESIGN.md, "KV cells, blocks, formats").
+attention output to come back (docs/design.md, "KV cells, blocks, formats").
 
 The fast transform is 6 rounds of butterflies (a, b) -> (a + b, a - b) instead of a
 64 x 64 matrix product: 6 * 64 additions instead of 64 * 64 multiply-adds. The kernel
@@ -115,7 +115,7 @@ if not SIMULATED:
 else:
     @cuda.jit(device=True)
     def fwht64_lanes(a, b, lane):
-        """Under the simulator each shuffle is a block-wide barrier (reduce.py), so the
+        """Under the simulator each shuffle is a block-wide barrier (gpu/reduce.py), so the
         lanes trade their values once instead of ten times (two exchanges) and each runs
         hadamard_ref's rounds, the same additions in the same order, on the whole row."""
         row = hadamard_ref(np.concatenate((exchange(a), exchange(b))))

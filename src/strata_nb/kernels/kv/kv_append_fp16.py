@@ -1,6 +1,6 @@
 """KV append for unquantized pools: fp16, and fp32 (the reference cache) through the same kernel.
 
-The one writer (DESIGN.md, "The host copy and the one writer"): for each new cell i,
+The one writer (docs/design.md, "The host copy and the one writer"): for each new cell i,
 
     block = positions[i] // 16,  cell = positions[i] % 16,  slot = page_table[block]
     VRAM pool  [slot ][head][cell] = value    only if slot >= 0 (the block is resident)
@@ -18,7 +18,7 @@ Positions within one call are distinct.
 
 The rule is one device function, `store_cell` (with `cell_home`, the lookup), called per
 value by this kernel and by the q|k|v matvec's epilogue, which writes a decode step's
-new fp16/fp32 cell in its own launch (matvec.py, "Appending in the epilogue").
+new fp16/fp32 cell in its own launch (kernels/dense/matvec.py, "Appending in the epilogue").
 """
 from __future__ import annotations
 

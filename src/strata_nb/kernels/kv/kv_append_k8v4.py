@@ -2,8 +2,8 @@
 
 V arrives as the q|k|v projection made it, unrotated: the V half's warps rotate each head row
 themselves before they quantize it (kv_append_q4.py, `rotate`), so a k8v4 layer needs no
-Hadamard launch. `v_rotated=True` takes V already rotated instead (the writers' old way,
-kept so a test can show both give the same bytes).
+Hadamard launch. `v_rotated=True` takes V already rotated by the hadamard kernel instead,
+as the q4_0 format's writer does; a test shows both give the same bytes.
 
 k8v4 has no quantizer of its own. Its K half goes through kv_append_q8 and its V half
 through kv_append_q4. Each of those writes a K side and a V side and tests the K-side
@@ -16,23 +16,22 @@ On the device the two halves are one launch (`kv_append_k8v4_kernel`): its first
 run kv_append_q8's warp body (`append_q8_warp`) on the K half's arguments, the rest
 kv_append_q4's (`append_q4_warp`) on the V half's, each checked by its own writer's
 launcher (`q8_launch`, `q4_launch`). The same arithmetic and the same writes as the two
-launches, one launch fewer a layer: on the H200 a decode step's 30 appends took 90 and
-86 us as two launches each, 92 us as one (`strata-nb bench --profile`).
+launches in one: the GPU time stays what the two took, and a decode step has one launch
+fewer a layer.
 
 With QSA, the same launch also keeps the bounds of K (`bounds`, kernels/kv/block_bounds.py):
 thread blocks after the two halves' run block_bounds' per-thread body, so a streamed
-step has no separate block_bounds launch a layer (30 launches, 67 us of its GPU time on
-the H200, docs/measured/bench_pool). Those thread blocks are whole blocks of their own,
-because the halves' warp reductions, under the simulator, wait for every thread of
-their thread block.
+step has no separate block_bounds launch a layer. Those thread blocks are whole blocks of
+their own, because the halves' warp reductions, under the simulator, wait for every
+thread of their thread block.
 
 `fold_v_half=False` passes the V half the tempting way instead: the pool still folded,
 but the host copy given only as the V-side array. The K-side test then finds no host
 copy and skips every host write of V, silently. A V cell whose block is not resident
 is then written nowhere; one whose block is resident lives only in its VRAM slot until
 the slot is evicted. Either way attention later reads zeros for V from the host copy,
-and generation degrades while nothing crashes (DESIGN.md, "The host copy and the one
-writer"). It exists as the teaching fault that tests/kernels/test_kv_hybrid_parity.py
+and generation degrades while nothing crashes (docs/design.md, "The host copy and the
+one writer"). It exists as the teaching fault that tests/kernels/test_kv_hybrid_parity.py
 must catch; the engine never sets it.
 
 Backend choice: `kv_append_k8v4_ref` (NumPy, the engine's numpy backend) and

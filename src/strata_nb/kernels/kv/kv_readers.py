@@ -1,7 +1,6 @@
-"""How the attention kernels (attention.py, attention_step.py) read one side (K or V) of
-a KV block, for each format: "float" (fp32/fp16 values), "int8" (codes and one fp16
-scale per 64 values) or "q4_0" (ggml blocks). Numba compiles one kernel per (K reader,
-V reader) pair."""
+"""How the attention kernels (kernels/attention/) read one side (K or V) of a KV block,
+for each format: "float" (fp32/fp16 values), "int8" (codes and one fp16 scale per 64
+values) or "q4_0" (ggml blocks). Numba compiles one kernel per (K reader, V reader) pair."""
 from __future__ import annotations
 
 from numba import cuda, float32

@@ -1,4 +1,4 @@
-"""int8 KV quantization: one fp16 scale per 64 values (DESIGN.md, "KV cells, blocks, formats").
+"""int8 KV quantization: one fp16 scale per 64 values (docs/design.md, "KV cells, blocks, formats").
 
     scale = fp16(max|x| / 127)
     code  = clamp(rint(x / float32(scale)), -127, 127)     computed against the STORED scale

@@ -1,4 +1,5 @@
-"""q4_0 KV quantization: ggml's block_q4_0, byte for byte (DESIGN.md, "KV cells, blocks, formats").
+"""q4_0 KV quantization: ggml's block_q4_0, byte for byte (docs/design.md, "KV cells, blocks,
+formats").
 
 One block is 32 values in 18 bytes: fp16 `d` (little-endian, bytes 0-1), then 16 bytes
 of 4-bit codes; value j sits in the low nibble of byte j, value j + 16 in the high one.
@@ -138,7 +139,7 @@ if not SIMULATED:
 else:
     @cuda.jit(device=True)
     def quantize_q4_0_warp(v, lane):
-        """Under the simulator each shuffle would be a block-wide barrier (reduce.py): the
+        """Under the simulator each shuffle would be a block-wide barrier (gpu/reduce.py): the
         lanes trade their sanitized values once (one exchange instead of the GPU version's
         two warp_max and two warp_take) and each takes the same steps on the block: the
         largest |x|, the first lane that has it, d, and its two codes."""

@@ -29,7 +29,9 @@ def ring_restore_ref(host,       # (n_blocks, run_words) uint32: one run of the 
 
 # --8<-- [start:ring_restore_kernel]
 @cuda.jit
-def ring_restore_kernel(host, ring, first_block, n_copy, n_ring):
+def ring_restore_kernel(host, ring,  # shapes as ring_restore_ref
+                        first_block, n_copy,  # int: the first block restored, and how many
+                        n_ring):  # int: ring slots
     lane = cuda.grid(1)  # one 4-byte word of one restored block
     words = host.shape[1]
     i, w = lane // words, lane % words
@@ -40,6 +42,7 @@ def ring_restore_kernel(host, ring, first_block, n_copy, n_ring):
 
 
 def ring_restore(host, ring, end_block, n_ring):
+    """Like ring_restore_ref, on the device."""
     expect("host", host, np.uint32, (None, None))
     expect("ring", ring, np.uint32, (None, host.shape[1]))
     assert ring.shape[0] >= n_ring, f"ring has {ring.shape[0]} slots, want >= {n_ring}"

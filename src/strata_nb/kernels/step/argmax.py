@@ -6,10 +6,10 @@ model's 49,152), so the loads are spread over the GPU, not queued on one SM. A t
 loads its PER_THREAD logits of the chunk (neighbouring threads on neighbouring logits)
 before it compares any, so they are in flight together, then keeps the largest and that
 value's first index (strictly greater replaces, so an equal value later in its share
-never does). Two block reductions (reduce.py) give the chunk's max and, among the
+never does). Two block reductions (gpu/reduce.py) give the chunk's max and, among the
 threads that hold it, the smallest index, computed as -max(-index) in float32, exact
-for indices below 2^24. The block that arrives last (launch.last_to_arrive) reduces
-the chunks' results the same way and writes the row's index.
+for indices below 2^24. The block that arrives last (gpu/launch.py: last_to_arrive)
+reduces the chunks' results the same way and writes the row's index.
 
 The result is an index, so the kernel must equal the reference exactly. Rows are
 finite logits: np.argmax would return the first NaN, the kernel never picks a NaN.

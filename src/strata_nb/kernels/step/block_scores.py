@@ -10,15 +10,10 @@ One warp scores one (query, block) pair: lane l takes dims l, l + 32, ... of eve
 so for the default model (9 query heads, 3 KV heads, 64 dims) it loads 6 values of kmin
 and 6 of kmax, and one warp sum per query head adds the dims. The head count, KV head
 count and head_dim are compiled in (`make_block_scores_kernel`): the loops unroll, every
-load is issued before the first sum needs it, and the nine sums interleave. The host path
-and a replayed decode step (kv/cache.py: StepBlocks) launch this same kernel, so their
-scores are the same bits.
-
-Earlier versions, on the H200 at 8K of context (512 blocks): one thread per pair, walking
-9 heads x 64 dims alone, 87 us a layer; one warp per pair with the shapes read at run
-time, 9.3 us (each head's loads waited for the last head's sum); a thread block of
-n_kv x head_dim threads per pair, a thread per (KV head, dim) and the heads' sums added by
-one thread, 5.7 us.
+load is issued before the first sum needs it, and the nine sums interleave; with the
+shapes read at run time instead, each head's loads would wait for the last head's sum.
+The host path and a replayed decode step (kv/step_blocks.py: StepBlocks) launch this same
+kernel, so their scores are the same bits.
 """
 from __future__ import annotations
 
@@ -55,10 +50,10 @@ def make_block_scores_kernel(G, KV, D):
     PER_LANE = D // WARP
 
     @cuda.jit
-    def block_scores_kernel(q, kmin, kmax, scores):
+    def block_scores_kernel(q, kmin, kmax, scores):  # shapes as block_scores_ref
         # A warp per (query, block): blocks blockIdx.x * SCORE_WARPS .. on, query blockIdx.y;
         # lane l takes dims l, l + 32, ... Past the last block a warp scores the last one
-        # again: every warp sums (reduce.py), only the real ones store.
+        # again: every warp sums (gpu/reduce.py), only the real ones store.
         i, lane = cuda.blockIdx.y, cuda.threadIdx.x % WARP
         n_blocks = kmin.shape[0]
         b = cuda.blockIdx.x * SCORE_WARPS + cuda.threadIdx.x // WARP

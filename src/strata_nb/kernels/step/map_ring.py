@@ -5,7 +5,7 @@ The ring holds the most recent `--kv-window` cells at `slot = block % n_ring`
 lands in, before the write. A step replayed from a CUDA graph knows its position only in
 device memory, so this kernel does the same re-pointing there, on each layer's two maps:
 the block's old slot and the slot's old block are unmapped, and the block takes the slot:
-the reference and the kernel both run kv/slots.py's `point`, the host's own step.
+the reference and the kernel both run kv_layout.py's `point`, the host's own step.
 
 A decode step writes one cell. It enters a new block at the block's first cell, so there
 is nothing older in that block to refill from the host copy. The host maps the first
@@ -13,8 +13,6 @@ step's block itself, refill included, before the first replay (KVCache.before_de
 
 Every layer writes the same position, so one launch at the step's first append moves
 every layer's ring: the maps are rows of one (n_layers, ...) array, a thread per layer.
-Launched once per layer instead, the 30 launches took 43 us of a streamed step's GPU time
-on the H200 (`strata-nb bench --profile`, docs/measured/bench_pool).
 """
 from __future__ import annotations
 

@@ -1,15 +1,15 @@
-"""A decode step's block selection on the device: the blocks kv/select.py would pick, so a
-step replayed from a CUDA graph reads what the host path reads.
+"""A decode step's block selection on the device: the blocks `select_rows_ref` (below, QSA's
+host policy) picks, so a step replayed from a CUDA graph reads what the host path reads.
 
-The host path picks blocks in Python from the step's scores (`select_blocks`): block 0,
-the window (the last `window_blocks` blocks up to the query) and, of the rest, the highest
-scores up to the budget, ties to the lower block (a stable sort); or, with no budget,
-every block up to the query. A graph cannot call Python between its kernels, so this
-kernel makes the same choice from the scores in device memory and writes the list the
-attention kernel reads, ascending and -1 padded to a fixed width. A missing block needs
-no copy here: attention reads it in place from the host copy (mapped pinned memory), the
-same bytes the host path would first copy into a slot. So the two paths attend over the
-same bytes in the same order and give the same bits.
+The host path picks blocks in Python from the step's scores (`select_rows_ref`, called by
+KVCache.select): block 0, the window (the last `window_blocks` blocks up to the query)
+and, of the rest, the highest scores up to the budget, ties to the lower block (a stable
+sort); or, with no budget, every block up to the query. A graph cannot call Python
+between its kernels, so this kernel makes the same choice from the scores in device
+memory and writes the list the attention kernel reads, ascending and -1 padded to a fixed
+width. A missing block needs no copy here: attention reads it in place from the host copy
+(mapped pinned memory), the same bytes the host path would first copy into a slot. So the
+two paths attend over the same bytes in the same order and give the same bits.
 
 It also counts, for the cache's counters, how many blocks the step looked up and how many
 of those were not in VRAM (all of them read in place).
@@ -17,30 +17,17 @@ of those were not in VRAM (all of them read in place).
 Block b is chosen if it is in the window or block 0, or if fewer than `take` other
 candidates outrank it: a higher score, or the same score and a lower index (a NaN score
 below every number, where NumPy sorts it). That rank is the block's place in the stable
-sort, so the choice is the host's. Ranking every
-candidate against every other is n^2 comparisons (about 240,000 at 8K of context), so
-it is spread over the GPU: a thread block ranks 4 blocks, 64 threads per block, each
-thread comparing against every 64th candidate, from a copy of the scores in shared
-memory (at 8K of context, 128 thread blocks of 8 comparisons a thread). Each chosen
-block's place in the list is the number of chosen blocks before it;
-the thread block that finishes last (a ticket, `launch.py: last_to_arrive`, as in
-attention_step.py) writes the list: each of its threads owns a contiguous run of blocks,
-and a scan over the threads' pick counts gives each run its start.
-
-The first version was one thread block of 512 threads, each ranking its block against
-all the others and then counting its place block by block: 70 us a layer at 8K of
-context on the H200, 49 us with the scores in shared memory and the places from a scan.
-A single SM simply had too many comparisons to make. Spread over 16 thread blocks of
-32 blocks, 8 threads each, it took 11.2 us; 64 of 8 blocks x 32 threads, 6.8 us; 128 of
-4 x 64, 6.0 us (at 1,024 cells 5.2, 4.3 and 4.5 us). 2 x 128 took 10.1 us: every thread
-block copies all the scores into shared memory first. (H200, CUPTI, a scratch script
-timing copies of this file with other CANDIDATES and PARTS.)
-
-Also tried and not kept: scoring the blocks in this launch, a warp per block, and
-picking in the last thread block alone, by finding the take-th highest score bit by bit
-(33 block-wide counts, `cuda.syncthreads_count`: 12.6 us at 8K without the scores, 14.8
-with them) or four bits a round, a warp per trial digit (18.4 us). One SM's barriers in
-a chain cost more than the comparisons spread over the GPU.
+sort, so the choice is the host's. Ranking every candidate against every other is n^2
+comparisons (about 240,000 at 8K of context): too many for one SM, and a chain of one
+SM's barriers would leave the rest of the GPU idle. So they are spread over the GPU: a
+thread block ranks 4 blocks, 64 threads per block, each thread comparing against every
+64th candidate, from a copy of the scores in shared memory. (Every thread block copies
+all the scores first, which is why a thread block ranks a few blocks, not one.) Each
+chosen block's place in the list is the number of chosen blocks before it; the thread
+block that finishes last (a ticket, gpu/launch.py: `last_to_arrive`, as in the step
+attention's merge in kernels/attention/) writes the list: each of its threads owns a
+contiguous run of blocks, and a scan over the threads' pick counts gives each run its
+start.
 """
 from __future__ import annotations
 
@@ -120,7 +107,8 @@ def outranks(other, c, mine, b):
 
 
 @cuda.jit
-def select_blocks_kernel(scores, q_pos, page_table, window_blocks, budget_cells, chosen, out, counts, arrivals):
+def select_blocks_kernel(scores, q_pos, page_table, window_blocks, budget_cells, chosen, out, counts,  # as select_blocks_ref
+                         arrivals):  # (1,) int32 ticket counter: 0 before the launch, 0 after it
     t = cuda.threadIdx.x
     n_blocks = chosen.shape[0]
     last = q_pos[0] // BLOCK
