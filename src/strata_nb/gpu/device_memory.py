@@ -8,10 +8,9 @@ cannot run ahead of the GPU while the host sits in cuMemAlloc.
 `PooledMemory` keeps what dies instead. An allocation is rounded up to its size class
 (`size_class`), and a new one takes a kept pointer of that class when there is one. The
 same shapes come back every layer and every chunk, so after the first chunk almost
-nothing reaches the driver. On the H200 (`tools/prefill_profile.py`, random weights of
-the default shapes, k8v4) a 4,096-token prefill went from 10,082 to 12,139 tok/s with
-Numba's allocator to 22,715 to 24,000 pooled; the GPU time did not change (33.6 ms for
-1,024 tokens either way; docs: "Running on a GPU").
+nothing reaches the driver. The GPU's work is the same either way; what goes is the
+host's time in the driver, so the host can run ahead of the GPU again
+(`tools/prefill_profile.py` shows the two side by side: wall time against GPU time).
 
 Reuse is safe because every kernel and copy that touches these arrays runs in one order:
 the legacy default stream, or a graph's stream, which the legacy stream waits for and is

@@ -66,9 +66,9 @@ _TICKETS: dict = {}
 
 
 def ticket_counters(owner: str, shape: tuple):
-    """Int32 counters for a kernel whose last-arriving thread block finishes the work
-    (attention_step's merge, select_blocks' list): zeroed once, and every launch leaves
-    them 0 again. One set per (owner, shape), made before any graph capture uses them."""
+    """Int32 counters for a kernel whose last-arriving thread block finishes the work (the
+    step attention's merge, select_blocks' list): zeroed once, and every launch leaves them
+    0 again. One set per (owner, shape), made before any graph capture uses them."""
     key = (owner, shape)
     if key not in _TICKETS:
         assert Capture.keep is None, f"{owner}'s ticket counters are made before a graph capture, not during"

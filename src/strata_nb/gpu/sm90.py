@@ -14,8 +14,8 @@ refuses nor say what the kernel costs the SM. Three numbers from ptxas do:
 
 The launches are recorded under the simulator (`record_launches`: kernel and argument
 types), and a process without the simulator compiles each (`compile_recorded`), so the
-module constants take their GPU values. tests/test_zz_ptx_sm90.py does this for every
-kernel the test suite ran; `tools/kernel_resources.py` prints the table for a decode step.
+module constants take their GPU values. The test suite's sm_90 check does this for every
+kernel the suite ran; `tools/kernel_resources.py` prints the table for a decode step.
 ptxas comes with the nvidia-cuda-nvcc-cu12 wheel (the dev extra), or a CUDA toolkit.
 """
 from __future__ import annotations
