@@ -39,7 +39,8 @@ class PoolArray:
 
 # --8<-- [start:pool_arrays]
 def pool_arrays(fmt: str, head_dim: int) -> tuple[PoolArray, ...]:
-    """The arrays of a format's pool, in run order (DESIGN.md, 'KV cells, blocks, formats')."""
+    """The arrays of a format's pool, in run order (docs/design.md, "KV cells, blocks,
+    formats")."""
     check_format(fmt, FORMATS)
     if head_dim % INT8_GROUP:
         raise ValueError(f"head_dim {head_dim} is not a multiple of {INT8_GROUP}")

@@ -178,6 +178,8 @@ class KVCache:
 
     # --8<-- [start:select]
     def select(self, L, q, positions) -> np.ndarray:
+        """(n_q, max_sel) int32, -1 padded: every block up to each query, or QSA's picks
+        from the blocks' scores (select_rows_ref, the host policy)."""
         if self.qsa_budget == 0:
             return all_blocks_upto(positions)
         scores = self.be.zeros((q.shape[0], self.n_blocks), np.float32)
@@ -188,6 +190,7 @@ class KVCache:
     # ---- movers: every one copies the format's runs, none knows a format ----------------
     # --8<-- [start:move]
     def _move(self, src: dict, dst: dict, pairs):
+        """Copy blocks from src's arrays into dst's: pairs [(src block, dst block), ...]."""
         if not pairs:
             return
         src_index = self.be.asarray(np.array([s for s, _ in pairs], np.int32))

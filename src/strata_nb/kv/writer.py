@@ -78,7 +78,7 @@ class Append:
 # --8<-- [start:append_cells]
 def append_cells(be, fmt: str, dest: KVDest, positions, k, v, fault: str = "none", bounds=None):
     """k, v (n, n_kv, hd) float32 after RoPE -> dest's pool and host copy, rotated here
-    where the format rotates (formats.rotates). bounds: QSA's (kmin, kmax) of K, kept at
+    where the format rotates (kv_layout.rotates). bounds: QSA's (kmin, kmax) of K, kept at
     append time (kernels/kv/block_bounds.py), or None."""
     pool, pt = dest.pool, dest.page_table
     h = lambda f: host_field(dest, f)  # noqa: E731
