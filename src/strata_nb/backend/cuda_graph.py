@@ -8,7 +8,7 @@ of running them; the instantiated graph then replays all of them with one driver
 The graph has every argument baked in: array addresses, shapes, scalars. So what changes
 per token must live in device memory that the kernels read (the token id, its position,
 engine/decode_step.py), and every array allocated during capture must outlive the graph
-(`launch.capturing` collects them in `keep`).
+(`gpu.launch.capturing` collects them in `keep`).
 """
 from __future__ import annotations
 

@@ -17,7 +17,8 @@ STEPS = 20
 
 
 def kernel_name(event_name: str) -> str:
-    """'strata_nb::kernels::matvec::make_matvec_kernel::_3clocals...::matvec_kernel[abi...' -> 'matvec_kernel'."""
+    """'strata_nb::kernels::dense::matvec::make_matvec_kernel::_3clocals...::matvec_kernel[abi...'
+    -> 'matvec_kernel'."""
     parts = [p for p in event_name.split("[")[0].split("::") if p and not p.startswith("_3c")]
     return parts[-1] if parts else event_name
 
