@@ -12,6 +12,7 @@ import numpy as np
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:
+    """x (n, vocab) logits -> (n, vocab) float64 log-probabilities."""
     x = x.astype(np.float64)  # float64: KL sums many tiny differences
     x = x - x.max(axis=-1, keepdims=True)
     return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))

@@ -7,7 +7,7 @@ arrays, which every launch copies over. Here they stay on the device:
     pos   (1,) int32   its position; the step's last launch adds 1
     the block list     what attention reads: every block of a resident cache (the kernel
                        skips those after the query), or the step's own selection
-                       (kv/cache.py: StepBlocks)
+                       (kv/step_blocks.py: StepBlocks)
 
 so one step's launches are the same every token and can be captured once into a CUDA graph
 (backend/cuda_graph.py) and replayed. Greedy decode, and temperature / top-p sampling
@@ -17,13 +17,13 @@ memory. Top-k sampling reads the logits back and writes its token over `token`, 
 step at a time (`run`).
 
 A streamed or QSA cache makes its per-step decisions on the device too: the ring follows
-the position (kernels/step/map_ring.py), the step selects its blocks (kernels/step/select_blocks.py),
-and a selected block that is not in VRAM is read in place from the host copy instead of
-being copied into a slot first. The host maps the first step's block before the first
-replay, and takes the maps and counters back before its next decision
-(KVCache.before_device_steps, _sync_from_device). Without a GPU (the simulator) or with
-`--no-graph`, `run` launches the same kernels one by one: the tests check that path
-against the host path.
+the position (kernels/step/map_ring.py), the step selects its blocks
+(kernels/step/select_blocks.py), and a selected block that is not in VRAM is read in
+place from the host copy instead of being copied into a slot first. The host maps the
+first step's block before the first replay, and takes the maps and counters back before
+its next decision (KVCache.before_device_steps, KVCache.sync_from_device). Without a GPU
+(the simulator) or with `--no-graph`, `run` launches the same kernels one by one: the
+tests check that path against the host path.
 """
 from __future__ import annotations
 
