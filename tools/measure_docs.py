@@ -14,7 +14,6 @@ import json
 import platform
 import subprocess
 import sys
-import tempfile
 from importlib import resources
 from pathlib import Path
 
