@@ -1,10 +1,13 @@
 """The CLI on a tiny random-weight model: streaming, stdin, --stats, info, and bad input."""
+import dataclasses
 import io
 import json
 
 import pytest
 
-from strata_nb.cli import main
+from strata_nb.cli import cli, main
+from strata_nb.errors import StrataError
+from strata_nb.settings import SamplingSettings, Settings
 
 
 def run_cli(argv, capsys, stdin=None, monkeypatch=None):
@@ -30,7 +33,7 @@ def test_run_reads_stdin_and_prints_stats(tiny_model, capsys, monkeypatch):
 
 @pytest.mark.parametrize("argv, message", [
     (["run", "   "], "the prompt is empty"),
-    (["run", "--max-context", "16", "--raw", "x" * 40], "does not fit --max-context 16"),
+    (["run", "--max-context", "16", "--raw", "x" * 40], "--max-context 16 does not fit the prompt's 40 tokens"),
     (["run", "--temperature", "-1", "hi"], "--temperature must be >= 0"),
     (["run", "--kv", "bogus", "hi"], "'bogus' is not one of"),
     (["run", "--top-p", "0", "hi"], "--top-p must be in (0, 1]"),
@@ -80,3 +83,81 @@ def test_compare_kv_json(tiny_model, tmp_path, capsys):
 def test_compare_kv_bad_budget(tiny_model, capsys):
     code, _, err = run_cli(["compare-kv", "--model", tiny_model, "--qsa-budget", "lots"], capsys)
     assert code == 2 and "--qsa-budget takes comma-separated cell counts" in err
+
+
+def test_bare_command_prints_the_help_and_exits_0(capsys):
+    code, out, err = run_cli([], capsys)
+    assert code == 0 and err == ""
+    assert out.startswith("Usage: strata-nb") and "Commands:" in out and "compare-kv" in out
+
+
+def test_non_utf8_stdin_is_one_line_before_the_model_loads(capsys, monkeypatch, tmp_path):
+    """A real stdin is bytes beneath the text: a Latin-1 file piped in. The model path does
+    not exist, so an error about it would mean the model was reached first."""
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"caf\xe9 au lait"), encoding="utf-8"))
+    code, out, err = run_cli(["run", "--model", str(tmp_path / "absent.gguf")], capsys)
+    assert code == 2 and out == ""
+    assert err.strip().splitlines() == ["strata-nb: error: stdin is not UTF-8 text: byte 0xe9 at offset 3 "
+                                        "(convert it first, e.g. iconv -t UTF-8)"]
+
+
+def test_non_utf8_prompt_argument_is_one_line(capsys, tmp_path):
+    """Python hands argv's undecodable bytes over as lone surrogates (surrogateescape)."""
+    code, _, err = run_cli(["run", "--model", str(tmp_path / "absent.gguf"), "caf\udce9"], capsys)
+    assert code == 2 and "the prompt is not UTF-8 text: byte 0xe9 at offset 3" in err
+
+
+def test_the_api_refuses_text_that_is_not_unicode(tiny_model):
+    from strata_nb import Engine
+
+    eng = Engine.load(model=tiny_model, device="cpu")
+    with pytest.raises(StrataError, match="not valid Unicode: '\\\\udce9' at index 3"):
+        eng.tokenize("caf\udce9")
+
+
+def test_a_prompt_of_several_chunks_shows_prefill_progress_on_stderr_only(tiny_model, capsys):
+    from strata_nb import Engine
+    from strata_nb.settings import SamplingSettings
+
+    prompt = "the keeper climbed the stairs"  # 29 byte-level tokens: 4 chunks of 8
+    code, out, err = run_cli(["run", "--model", tiny_model, "--device", "cpu", "--raw", "--prefill-chunk", "8",
+                              "--max-tokens", "6", prompt], capsys)
+    assert code == 0
+    assert all(f"| {n}/29 [" in err for n in (0, 8, 16, 24))  # drawn after each chunk, cleared after the last
+    eng = Engine.load(model=tiny_model, device="cpu", prefill_chunk=8)
+    assert out == "".join(eng.generate_ids(eng.prompt_ids(prompt, chat=False), SamplingSettings(6))) + "\n"
+    code, _, err = run_cli(["run", "--model", tiny_model, "--device", "cpu", "--raw", "--prefill-chunk", "32",
+                            "--max-tokens", "6", prompt], capsys)
+    assert code == 0 and err == ""  # one chunk: nothing to wait for
+
+
+@pytest.mark.parametrize("load, call, message", [
+    ({}, lambda eng: list(eng.generate("hi", max_tokens=0)), "max_tokens must be at least 1, got 0"),
+    ({}, lambda eng: list(eng.generate("hi", top_p=0.0)), "top_p must be in (0, 1], got 0.0"),
+    ({"kv_window": 10}, None, "kv_window must be a positive multiple of 16 cells, got 10"),
+    ({"max_context": 16}, lambda eng: eng.prompt_ids("x" * 40, chat=False),
+     "max_context 16 does not fit the prompt's 40 tokens"),
+])
+def test_api_errors_name_the_parameter_not_the_flag(load, call, message, tiny_model):
+    from strata_nb import Engine
+
+    with pytest.raises(StrataError) as err:
+        call(Engine.load(model=tiny_model, device="cpu", **load))
+    assert str(err.value).startswith(message) and "--" not in str(err.value)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--max-tokens", "0"], "--max-tokens must be at least 1, got 0"),
+    (["--kv-window", "10"], "--kv-window must be a positive multiple of 16 cells, got 10"),
+])
+def test_cli_errors_name_the_flag(argv, message, tiny_model, capsys):
+    code, _, err = run_cli(["run", "--model", tiny_model, *argv, "hi"], capsys)
+    assert code == 2 and err.strip() == f"strata-nb: error: {message}"
+
+
+def test_every_setting_is_a_flag_of_run():
+    """SettingError names a setting's flag by rule (max_tokens -> --max-tokens): each field
+    must have that flag."""
+    flags = {opt for p in cli.commands["run"].params for opt in p.opts}
+    fields = [f.name for cls in (Settings, SamplingSettings) for f in dataclasses.fields(cls)]
+    assert [f for f in fields if "--" + f.replace("_", "-") not in flags] == []

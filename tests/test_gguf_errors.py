@@ -21,13 +21,27 @@ def test_not_a_gguf(tmp_path):
         GGUFModel(p)
 
 
-def test_truncated(tiny_model, tmp_path):
+def test_truncated_header(tiny_model, tmp_path):
+    p = tmp_path / "cut.gguf"
+    p.write_bytes(open(tiny_model, "rb").read()[:200])
+    with pytest.raises(StrataError, match="truncated or corrupt: its header does not read"):
+        GGUFModel(p)
+
+
+@pytest.mark.parametrize("cut_in", ["blk.0.ffn_up.weight", "the last tensor"])
+def test_truncated_tensor_data_names_the_tensor_and_the_missing_bytes(cut_in, tiny_model, tmp_path):
     data = open(tiny_model, "rb").read()
-    for cut in (len(data) // 2, 200):
-        p = tmp_path / f"cut{cut}.gguf"
-        p.write_bytes(data[:cut])
-        with pytest.raises(StrataError, match="truncated"):
-            GGUFModel(p)
+    tensors = sorted(GGUFModel(tiny_model).reader.tensors, key=lambda t: t.data_offset)
+    if cut_in == "the last tensor":
+        name, end = tensors[-1].name, len(data) - 1
+    else:
+        name, end = cut_in, next(t.data_offset for t in tensors if t.name == cut_in) + 1
+    p = tmp_path / "cut.gguf"
+    p.write_bytes(data[:end])
+    with pytest.raises(StrataError) as err:
+        GGUFModel(p)
+    assert str(err.value) == (f"{p} is truncated: tensor {name} runs past the end of the file, "
+                              f"which lacks {len(data) - end:,} of its {len(data):,} bytes")
 
 
 def test_unsupported_architecture(tmp_path):
@@ -49,13 +63,15 @@ def test_missing_tensor(tiny_model):
         GGUFModel(tiny_model).tensor("blk.7.attn_q.weight")
 
 
-@pytest.mark.parametrize("make", ["missing", "notgguf", "truncated"])
+@pytest.mark.parametrize("make", ["missing", "notgguf", "truncated header", "truncated data"])
 def test_cli_bad_model_is_one_line_exit_2(make, tiny_model, tmp_path, capsys):
     p = tmp_path / "m.gguf"
     if make == "notgguf":
         p.write_text("not a model")
-    elif make == "truncated":
+    elif make == "truncated header":
         p.write_bytes(open(tiny_model, "rb").read()[:5000])
+    elif make == "truncated data":
+        p.write_bytes(open(tiny_model, "rb").read()[:-1000])
     with pytest.raises(SystemExit) as exit_:
         main(["run", "--model", str(p), "hello"])
     assert exit_.value.code == 2

@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from .errors import StrataError
+from .errors import SettingError, StrataError
 from .kv_layout import USER_FORMATS
 
 KV_CHOICE = click.Choice(USER_FORMATS)
@@ -50,10 +50,13 @@ def load_engine(**engine_kw):
     return Engine.load(**engine_kw)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(context_settings={"help_option_names": ["-h", "--help"]}, invoke_without_command=True)
 @click.version_option(package_name="strata-nb")
-def cli():
+@click.pass_context
+def cli(ctx):
     """strata-nb: a teaching-grade LLM inference engine with quantized, streamed KV."""
+    if ctx.invoked_subcommand is None:  # bare `strata-nb` asks what there is: the help, not an error
+        click.echo(ctx.get_help())
 
 
 @cli.command()
@@ -68,20 +71,33 @@ def cli():
 @click.option("--stats", is_flag=True, help="Print prompt tokens, prefill and decode tok/s to stderr.")
 def run(prompt, max_tokens, temperature, top_k, top_p, seed, raw, stats, **engine_kw):
     """Generate from PROMPT (or stdin), streaming text to stdout as tokens come."""
+    from tqdm import tqdm
+
     from .settings import SamplingSettings
 
-    if prompt is None:
-        if sys.stdin is None or sys.stdin.isatty():
-            raise StrataError("give a prompt as an argument or on stdin")
-        prompt = sys.stdin.read()
+    prompt = _prompt_text(prompt)
     if not prompt.strip():
         raise StrataError("the prompt is empty")
     sampling = SamplingSettings(max_tokens, temperature, top_k, top_p, seed)  # check flags before loading
     eng = load_engine(**engine_kw)
     ids = eng.prompt_ids(prompt, chat=not raw)
-    for piece in eng.generate_ids(ids, sampling):
-        sys.stdout.write(piece)
-        sys.stdout.flush()
+    # a prompt of several chunks takes seconds before the first token: show it on stderr,
+    # gone once the text starts, so stdout holds only the generated text; one update a
+    # chunk, each drawn (mininterval=0)
+    bar = tqdm(total=len(ids), unit="tok", desc="prefill", file=sys.stderr, leave=False, mininterval=0,
+               disable=len(ids) <= eng.settings.prefill_chunk)
+
+    def prefilled(n):
+        bar.update(n)
+        if bar.n == bar.total:
+            bar.close()
+
+    try:
+        for piece in eng.generate_ids(ids, sampling, on_prefill=prefilled):
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+    finally:
+        bar.close()
     sys.stdout.write("\n")
     if stats:
         s = eng.last_stats
@@ -93,6 +109,24 @@ def run(prompt, max_tokens, temperature, top_k, top_p, seed, raw, stats, **engin
             click.echo(f"KV streaming: {c.lookups} lookups, {c.misses} misses ({c.misses_per_step:.1f} per layer-step), "
                        f"hit rate {c.hit_rate:.3f}, {c.copies} copies, {c.in_place} read in place, "
                        f"{c.bytes_moved / 2**20:.1f} MiB moved", err=True)
+
+
+def _prompt_text(prompt: str | None) -> str:
+    """The prompt from the argument or else stdin, as text. Bytes that are not UTF-8 are a
+    mistake in the input, said before the model loads."""
+    if prompt is not None:
+        where, raw = "the prompt", prompt.encode("utf-8", "surrogateescape")  # argv's undecodable bytes
+    elif sys.stdin is None or sys.stdin.isatty():
+        raise StrataError("give a prompt as an argument or on stdin")
+    else:
+        where, raw = "stdin", getattr(sys.stdin, "buffer", sys.stdin).read()  # bytes, undecoded
+        if isinstance(raw, str):  # a text stream with no bytes beneath (io.StringIO)
+            raw = raw.encode("utf-8", "surrogateescape")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise StrataError(f"{where} is not UTF-8 text: byte 0x{raw[err.start]:02x} at offset {err.start} "
+                          "(convert it first, e.g. iconv -t UTF-8)") from None
 
 
 @cli.command()
@@ -296,6 +330,9 @@ def main(argv=None):
         rv = cli.main(args=argv, prog_name="strata-nb", standalone_mode=False)
     except click.exceptions.UsageError as err:
         click.echo(f"strata-nb: error: {err.format_message()}", err=True)
+        sys.exit(2)
+    except SettingError as err:  # the setting as the flag that set it
+        click.echo(f"strata-nb: error: {err.flag} {err.problem}", err=True)
         sys.exit(2)
     except StrataError as err:
         click.echo(f"strata-nb: error: {err}", err=True)

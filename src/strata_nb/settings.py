@@ -1,9 +1,10 @@
-"""Every engine setting in one place. The CLI flags map onto these fields one to one."""
+"""Every engine setting in one place. The CLI flags map onto these fields one to one, so a
+bad value names the field (`max_tokens`) and the CLI shows it as its flag (`--max-tokens`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import StrataError
+from .errors import SettingError
 from .kv_layout import BLOCK, FORMATS
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -25,23 +26,23 @@ class Settings:
 
     def __post_init__(self):
         if self.kv not in FORMATS:
-            raise StrataError(f"--kv {self.kv!r} is not a KV format; choose one of fp16, int8, q4_0, k8v4")
+            raise SettingError("kv", f"{self.kv!r} is not a KV format; choose one of fp16, int8, q4_0, k8v4")
         if self.device not in DEVICES:
-            raise StrataError(f"--device {self.device!r} is not one of {', '.join(DEVICES)}")
+            raise SettingError("device", f"{self.device!r} is not one of {', '.join(DEVICES)}")
         if self.max_context is not None and self.max_context < BLOCK:
-            raise StrataError(f"--max-context must be at least {BLOCK} (one block), got {self.max_context}")
+            raise SettingError("max_context", f"must be at least {BLOCK} (one block), got {self.max_context}")
         if self.kv_resident < 0:
-            raise StrataError(f"--kv-resident must be 0 (fully resident) or a positive cell count, got {self.kv_resident}")
+            raise SettingError("kv_resident", f"must be 0 (fully resident) or a positive cell count, got {self.kv_resident}")
         if self.kv_window < BLOCK or self.kv_window % BLOCK:
-            raise StrataError(f"--kv-window must be a positive multiple of {BLOCK} cells, got {self.kv_window}")
+            raise SettingError("kv_window", f"must be a positive multiple of {BLOCK} cells, got {self.kv_window}")
         if self.qsa_budget < 0:
-            raise StrataError(f"--qsa-budget must be 0 (read every cell) or a positive cell count, got {self.qsa_budget}")
+            raise SettingError("qsa_budget", f"must be 0 (read every cell) or a positive cell count, got {self.qsa_budget}")
         if self.prefill_chunk is not None and self.prefill_chunk < 1:
-            raise StrataError(f"--prefill-chunk must be at least 1, got {self.prefill_chunk}")
+            raise SettingError("prefill_chunk", f"must be at least 1, got {self.prefill_chunk}")
         if self.fault not in FAULTS:
-            raise StrataError(f"--fault {self.fault!r} is not one of {', '.join(FAULTS)}")
+            raise SettingError("fault", f"{self.fault!r} is not one of {', '.join(FAULTS)}")
         if self.fault == "drop-v-mirror" and self.kv != "k8v4":
-            raise StrataError("--fault drop-v-mirror applies to the k8v4 V half; use it with --kv k8v4")
+            raise SettingError("fault", "'drop-v-mirror' breaks the k8v4 V half, so it needs the KV format k8v4")
 
 
 @dataclass(slots=True)
@@ -54,10 +55,10 @@ class SamplingSettings:
 
     def __post_init__(self):
         if self.max_tokens < 1:
-            raise StrataError(f"--max-tokens must be at least 1, got {self.max_tokens}")
+            raise SettingError("max_tokens", f"must be at least 1, got {self.max_tokens}")
         if not (self.temperature >= 0.0):  # also catches NaN
-            raise StrataError(f"--temperature must be >= 0 (0 = greedy), got {self.temperature}")
+            raise SettingError("temperature", f"must be >= 0 (0 = greedy), got {self.temperature}")
         if self.top_k < 0:
-            raise StrataError(f"--top-k must be >= 0 (0 = off), got {self.top_k}")
+            raise SettingError("top_k", f"must be >= 0 (0 = off), got {self.top_k}")
         if not (0.0 < self.top_p <= 1.0):
-            raise StrataError(f"--top-p must be in (0, 1], got {self.top_p}")
+            raise SettingError("top_p", f"must be in (0, 1], got {self.top_p}")

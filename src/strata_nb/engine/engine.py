@@ -13,7 +13,7 @@ from typing import Iterator
 import numpy as np
 
 from ..backend import get_backend
-from ..errors import StrataError
+from ..errors import SettingError, StrataError
 from ..kv.cache import KVCache
 from ..model.fetch import ensure_default_model
 from ..model.gguf_file import GGUFModel
@@ -54,8 +54,8 @@ class Engine:
         if settings.prefill_chunk is None:
             settings.prefill_chunk = be.prefill_chunk
         if settings.max_context > self.config.context_length:
-            raise StrataError(f"--max-context {settings.max_context} exceeds the model's trained context "
-                              f"of {self.config.context_length}")
+            raise SettingError("max_context", f"{settings.max_context} exceeds the model's trained context "
+                                              f"of {self.config.context_length}")
         be.check_model(self.config, qsa=settings.qsa_budget > 0, max_context=settings.max_context)
         if shared is not None:
             self.tokenizer, self.weights = shared.tokenizer, shared.weights
@@ -98,19 +98,23 @@ class Engine:
         text = self.tokenizer.render_chat([{"role": "user", "content": prompt}]) if chat else prompt
         ids = self.tokenize(text)
         if len(ids) >= self.settings.max_context:
-            raise StrataError(f"the prompt is {len(ids)} tokens, which does not fit --max-context "
-                              f"{self.settings.max_context} (leave room for at least one new token)")
+            raise SettingError("max_context", f"{self.settings.max_context} does not fit the prompt's {len(ids)} "
+                                              "tokens (leave room for at least one new token)")
         return ids
     # --8<-- [end:prompt_ids]
 
     # ---- the verbs ----------------------------------------------------------------------
     # --8<-- [start:verbs]
-    def prefill(self, ids: list[int], all_logits: bool = False):
-        """Run the prompt through the model in chunks; logits of the last (or every) position."""
+    def prefill(self, ids: list[int], all_logits: bool = False, on_chunk=None):
+        """Run the prompt through the model in chunks; logits of the last (or every) position.
+        on_chunk(n) hears of each chunk's n tokens as it finishes (a progress bar)."""
         if not ids:
             raise StrataError("prefill needs at least one token")
-        outs = [logits for _, logits in
-                self._in_chunks(ids, 0, len(ids), self.settings.prefill_chunk, True, all_logits)]
+        outs = []
+        for start, logits in self._in_chunks(ids, 0, len(ids), self.settings.prefill_chunk, True, all_logits):
+            outs.append(logits)
+            if on_chunk:
+                on_chunk(min(self.settings.prefill_chunk, len(ids) - start))
         return np.concatenate(outs) if all_logits else outs[-1][-1]
 
     def decode_one_token(self, token: int, pos: int) -> np.ndarray:
@@ -170,7 +174,7 @@ class Engine:
         if not ids:
             raise StrataError("score needs at least one token")
         if len(ids) > self.settings.max_context:
-            raise StrataError(f"{len(ids)} tokens do not fit --max-context {self.settings.max_context}")
+            raise SettingError("max_context", f"{self.settings.max_context} does not fit the {len(ids)} tokens to score")
         split = len(ids) if windows_from is None else min(max(windows_from, 1), len(ids))
         yield from self._in_chunks(ids, 0, split, self.settings.prefill_chunk, True, True)
         yield from self._in_chunks(ids, split, len(ids), window, False, True)
@@ -183,12 +187,12 @@ class Engine:
         yield from self.generate_ids(ids, s)
 
     # --8<-- [start:generate_ids]
-    def generate_ids(self, ids: list[int], s: SamplingSettings, on_token=None) -> Iterator[str]:
+    def generate_ids(self, ids: list[int], s: SamplingSettings, on_token=None, on_prefill=None) -> Iterator[str]:
         rng = np.random.default_rng(s.seed)
         stats = self.last_stats = RunStats(prompt_tokens=len(ids))
         decoder = StreamDecoder(self.tokenizer)
         t0 = time.perf_counter()
-        logits = self.prefill(ids)
+        logits = self.prefill(ids, on_chunk=on_prefill)
         stats.prefill_seconds = time.perf_counter() - t0
         t0, pos = time.perf_counter(), len(ids)
         step = self.device_step(s, rng)

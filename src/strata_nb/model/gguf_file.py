@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import gguf
 import numpy as np
 
 from ..errors import StrataError
@@ -58,13 +59,35 @@ def _field(reader, key: str, default=None, required=True):
     return f.contents()
 
 
+class _CheckedReader(gguf.GGUFReader):
+    """gguf-py's reader, which first checks that every tensor's bytes lie inside the file: a
+    download cut short would otherwise end in numpy's reshape error."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        super().__init__(path)
+
+    def _build_tensors(self, start_offs, fields):
+        size, past = len(self.data), []  # the memory map holds the whole file
+        for field in fields:
+            _, name, _, dims, ggml_type, offset = field.parts  # the tensor info, as gguf-py lays it out
+            block, type_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(int(ggml_type[0]))]
+            end = int(start_offs) + int(offset[0]) + int(np.prod(dims)) * type_bytes // block
+            if end > size:
+                past.append((end, bytes(name).decode("utf-8", "replace")))
+        if past:
+            cut = min(past)[1]  # the tensor the file ends inside
+            missing = max(past)[0] - size
+            raise StrataError(f"{self.path} is truncated: tensor {cut} runs past the end of the file, "
+                              f"which lacks {missing:,} of its {size + missing:,} bytes")
+        super()._build_tensors(start_offs, fields)
+
+
 class GGUFModel:
     """A validated GGUF model file: `config`, `metadata(key)`, `tensor(name)`."""
 
     # --8<-- [start:open_checks]
     def __init__(self, path: str | Path):
-        import gguf
-
         self.path = Path(path)
         if not self.path.exists():
             raise StrataError(f"model file not found: {self.path}")
@@ -74,13 +97,9 @@ class GGUFModel:
             if fh.read(4) != b"GGUF":
                 raise StrataError(f"{self.path} is not a GGUF file (its first bytes are not 'GGUF')")
         try:
-            self.reader = gguf.GGUFReader(self.path)
+            self.reader = _CheckedReader(self.path)
         except (ValueError, IndexError, OSError) as err:
-            raise StrataError(f"{self.path} is truncated or corrupt: {err}") from None
-        size = self.path.stat().st_size
-        for t in self.reader.tensors:
-            if t.data_offset + t.n_bytes > size:
-                raise StrataError(f"{self.path} is truncated: tensor {t.name} ends past the end of the file")
+            raise StrataError(f"{self.path} is truncated or corrupt: its header does not read ({err})") from None
         self.tensors = {t.name: t for t in self.reader.tensors}
         self.config = self._read_config()
         for t in self.reader.tensors:

@@ -78,6 +78,11 @@ class Tokenizer:
     # --8<-- [start:encode]
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`; special-token text such as <|im_start|> becomes its id; no BOS."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as err:  # a lone surrogate: bytes that were not UTF-8, decoded leniently
+            raise StrataError(f"the text is not valid Unicode: {text[err.start]!r} at index {err.start} "
+                              "(bytes that were not UTF-8?)") from None
         return self._hf.encode(text, add_special_tokens=False).ids
 
     def token_bytes(self, token_id: int) -> bytes:
