@@ -26,7 +26,9 @@ DOCS = ROOT / "docs"
 def site(tmp_path_factory):
     out = tmp_path_factory.mktemp("site") / "site"
     env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
-    run = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(out)],
+    # No -q: mkdocs counts warnings for --strict only when they are logged, so a quiet
+    # build would pass with broken links and anchors.
+    run = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(out)],
                          cwd=ROOT, capture_output=True, text=True, env=env)
     assert run.returncode == 0, run.stdout + run.stderr
     return out
