@@ -3,11 +3,19 @@ so the choice is made here, before any test module imports numba.
 
 STRATA_NB_GPU=1 runs the same kernel tests on a real GPU (larger shapes); otherwise the
 simulator runs them on the CPU with small shapes.
+
+Two tiers. `python -m pytest -q` runs the default tier, a few minutes on a laptop; it
+leaves out the tests marked `sim_engine` (the whole engine under the simulator, where every
+CUDA thread is a Python thread: minutes each on a CPU, seconds on a GPU) and `slow`.
+STRATA_NB_TESTS=all runs every test, as CI does (.ci/run); STRATA_NB_GPU=1 runs the
+`sim_engine` tests too. A test file or test named on the command line always runs.
 """
 import os
 import sys
+from pathlib import Path
 
 ON_GPU = os.environ.get("STRATA_NB_GPU") == "1"
+ALL_TIERS = os.environ.get("STRATA_NB_TESTS") == "all"
 if not ON_GPU:
     os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
     # The simulator runs each CUDA thread as a Python thread; switching often makes it
@@ -84,11 +92,42 @@ def tiny_model(tmp_path_factory):
     return str(write_synthetic_gguf(tmp_path_factory.mktemp("tiny") / "tiny.gguf"))
 
 
+# ---- the default tier, and the test that runs last ----------------------------------------
+def left_out(item, named: set[Path]) -> bool:
+    """Whether the default tier leaves this test out (see the module docstring)."""
+    if ALL_TIERS or item.path in named:
+        return False
+    return item.get_closest_marker("slow") is not None or (
+        item.get_closest_marker("sim_engine") is not None and not ON_GPU)
+
+
+def pytest_collection_modifyitems(config, items):
+    named = {(config.invocation_params.dir / arg.split("::")[0]).resolve() for arg in config.args}
+    if not config.option.markexpr:  # a -m expression picks the tests itself
+        out = [item for item in items if left_out(item, named)]
+        if out:
+            config.hook.pytest_deselected(items=out)
+            items[:] = [item for item in items if not left_out(item, named)]
+            config.stash[LEFT_OUT] = len(out)
+    # `last` tests run after every other: the PTX check compiles each kernel the session ran
+    items.sort(key=lambda item: item.get_closest_marker("last") is not None)  # stable
+
+
+def pytest_terminal_summary(terminalreporter):
+    n = terminalreporter.config.stash.get(LEFT_OUT, 0)
+    if n:
+        terminalreporter.write_line(f"default tier: {n} tests marked slow or sim_engine left out; "
+                                    "STRATA_NB_TESTS=all python -m pytest -q runs every test (as CI does)")
+
+
+LEFT_OUT = pytest.StashKey[int]()
+
+
 # ---- PTX for sm_90: every kernel the simulator ran, compiled for the GPU ----------------
 # The simulator runs kernels as Python, so it accepts code the GPU compiler rejects. Each
-# simulated launch records its kernel and argument types here; tests/test_zz_ptx_sm90.py
-# (collected last) compiles each one to sm_90 PTX in a process without the simulator
-# (gpu/sm90.py).
+# simulated launch records its kernel and argument types here; tests/test_ptx_sm90.py (its
+# last test marked `last`, so run after every other) compiles each one to sm_90 PTX in a
+# process without the simulator (gpu/sm90.py).
 LAUNCHES: dict = {}
 
 if not ON_GPU:

@@ -21,6 +21,8 @@ from strata_nb.model.synthetic import write_synthetic_gguf
 from strata_nb.settings import Settings
 from test_append_epilogue import store_cell_v_host_dropped
 
+pytestmark = pytest.mark.sim_engine  # engines stepping under the simulator: minutes on a CPU
+
 PROMPT = [3 + (7 * i) % 90 for i in range(15)]  # positions 0..14: block 0
 STEPS = ((5, 15), (6, 16))  # (token, position): 15 is written into block 0 by the epilogue;
 # at 16 the ring leaves block 0, which is then read in place from the host copy

@@ -73,7 +73,7 @@ def greedy(engine):
     return logits, tokens
 
 
-@pytest.mark.slow  # ~30 s under the simulator, where every CUDA thread is a Python thread
+@pytest.mark.sim_engine  # ~30 s under the simulator, where every CUDA thread is a Python thread
 def test_prefill_decode_and_greedy_tokens_match_numpy(engines):
     assert len(PROMPT) > 8  # prefill takes the matmul path
     (want, want_tokens), (got, got_tokens) = greedy(engines[0]), greedy(engines[1])

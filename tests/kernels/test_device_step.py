@@ -23,6 +23,8 @@ from strata_nb.kernels.step.sample_top_p import sample_top_p_ref
 from strata_nb.model.gguf_file import GGUFModel
 from strata_nb.settings import SamplingSettings, Settings
 
+pytestmark = pytest.mark.sim_engine  # the decode step end to end under the simulator: minutes on a CPU
+
 PROMPT = [3 + ord("t")]  # one token: the simulator spends seconds per forward pass
 STEPS = 2
 

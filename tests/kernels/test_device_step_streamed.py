@@ -22,6 +22,8 @@ from strata_nb.engine.engine import Engine
 from strata_nb.model.gguf_file import GGUFModel
 from strata_nb.settings import Settings
 
+pytestmark = pytest.mark.sim_engine  # the streamed decode step end to end under the simulator: minutes on a CPU
+
 PROMPT = [3 + (7 * i) % 90 for i in range(15)]  # positions 0..14: block 0
 STEPS = (15, 16)  # 16 enters block 1: the ring leaves block 0, which is then read in place
 AFTER = 17  # a host-path step after the replayed ones

@@ -5,6 +5,8 @@ import pytest
 from conftest import ON_GPU
 from stream_harness import assert_bitwise_equal, check_stream_state, synthetic_decode
 
+pytestmark = pytest.mark.sim_engine  # a streamed decode on the cuda backend under the simulator: minutes on a CPU
+
 # Under the simulator every CUDA thread is a Python thread: 2 query heads sharing 1 KV head
 # and ~100 cells keep a run to seconds. On a GPU: the numpy test's full size and heads.
 SIZE = (dict(n_cells=4100, prompt_cells=3840, chunk=256) if ON_GPU else

@@ -22,6 +22,8 @@ from strata_nb.gpu.launch import stream
 from strata_nb.model.gguf_file import GGUFModel
 from strata_nb.settings import SamplingSettings, Settings
 
+pytestmark = pytest.mark.sim_engine  # decode steps queued and replayed under the simulator: minutes on a CPU
+
 VOCAB = 97
 
 

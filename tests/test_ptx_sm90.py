@@ -2,12 +2,13 @@
 none spills registers.
 
 The simulator executes kernels as Python, so it accepts things the GPU compiler rejects
-(a NumPy call inside a kernel, a type that does not unify). This test is collected last:
-conftest.py recorded each simulated launch's kernel and argument types, and a child
-process without the simulator compiles each with `cuda.compile_ptx(..., cc=(9, 0))`, then
-asks ptxas what it uses (gpu/sm90.py). A kernel whose registers spill to local memory
-fails: that is a slowdown the simulator cannot show. No GPU needed, only NVRTC/libNVVM
-and ptxas (the nvidia-cuda-nvrtc-cu12 and nvidia-cuda-nvcc-cu12 wheels)."""
+(a NumPy call inside a kernel, a type that does not unify). conftest.py records each
+simulated launch's kernel and argument types; the check here is marked `last`, so it runs
+after every other test, and a child process without the simulator compiles each kernel
+with `cuda.compile_ptx(..., cc=(9, 0))`, then asks ptxas what it uses (gpu/sm90.py). A
+kernel whose registers spill to local memory fails: that is a slowdown the simulator cannot
+show. No GPU needed, only NVRTC/libNVVM and ptxas (the nvidia-cuda-nvrtc-cu12 and
+nvidia-cuda-nvcc-cu12 wheels)."""
 import pytest
 
 from conftest import LAUNCHES, ON_GPU
@@ -78,10 +79,11 @@ def test_wide_divides_are_counted_in_ptx():
     assert wide_divides(ptx) == 2  # the float and the 32-bit divisions are single instructions
 
 
+@pytest.mark.last
 @pytest.mark.skipif(ON_GPU, reason="on a GPU the kernels are compiled for real")
 def test_every_simulated_kernel_compiles_for_sm90_without_spills():
     if not LAUNCHES:
-        pytest.skip("no kernel ran under the simulator in this session (run the whole suite)")
+        pytest.skip("no kernel ran under the simulator in this session (run it with the kernel tests)")
     try:
         import nvidia.cuda_nvrtc  # noqa: F401  (the wheel that carries NVRTC)
     except ImportError:
