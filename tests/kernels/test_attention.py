@@ -1,7 +1,8 @@
-"""Attention over selected blocks: the step kernel (one query per thread block) against
-the reference within the written tolerance for every format; the reference against a
-plain loop; and the reference's determinism (pool or host copy, the same bits). The
-prompt kernel is tested in test_attention_prompt.py."""
+"""Attention over selected blocks: the decode kernels (one query per thread block), the
+plain one and the one the engine runs, against the reference within the written
+tolerance for every format; the reference against a plain loop; and the reference's
+determinism (pool or host copy, the same bits). The prompt kernel is tested in
+test_attention_prompt.py."""
 import numpy as np
 import pytest
 from numba import cuda
@@ -15,6 +16,20 @@ from strata_nb.kernels.kv.quant_int8 import dequantize_int8_ref
 from strata_nb.kernels.kv.quant_q4_0 import dequantize_q4_0_ref
 from strata_nb.kv_layout import BLOCK, FORMATS
 from strata_nb.kv_layout import shared_blocks_upto
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_plain_kernel_matches_ref(fmt):
+    """attention_step_kernel1, the plain decode kernel: three queries at positions inside
+    their blocks (37, 77, 90), padding between the selected blocks, blocks read from the
+    pool and from the host copy; the output rotated back where the format rotates V."""
+    pool, host = filled_cache(fmt, PAGE_TABLE, n_slots=4)
+    rotate = fmt in ("q4_0", "k8v4")
+    args = (fmt, *queries(3), PAGE_TABLE, pool, host)
+    want = run(lambda *a: attention_ref(*a, rotate_out=rotate), *args)
+    got = run(lambda *a: attention(*a, rotate_out=rotate, plain=True), *args)
+    assert np.isfinite(want).all()
+    np.testing.assert_allclose(got, want, atol=ATOL, rtol=RTOL)
 
 
 def test_rotate_out_in_the_merging_block():
@@ -81,11 +96,12 @@ def test_splits_that_see_nothing_weigh_nothing(nan_records, q_pos, blocks, activ
 
 def test_a_query_that_sees_no_cell_gets_zeros(nan_records):
     """Every split empty (padding and blocks after the query): the output is 0, as the
-    reference's."""
+    reference's; the plain kernel's too."""
     pool, host = filled_cache("int8", PAGE_TABLE, n_slots=4)
     q = np.random.default_rng(7).standard_normal((1, N_HEADS, HEAD_DIM), np.float32)
     args = ("int8", q, np.array([20], np.int32), np.array([[-1, 3, 4, -1]], np.int32), PAGE_TABLE, pool, host)
     np.testing.assert_array_equal(run(lambda *a: attention(*a, per_split=1), *args), 0)
+    np.testing.assert_array_equal(run(lambda *a: attention(*a, plain=True), *args), 0)
     np.testing.assert_array_equal(run(attention_ref, *args), 0)
 
 

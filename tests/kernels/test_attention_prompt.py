@@ -5,7 +5,8 @@ kernel and the reference are tested in test_attention.py."""
 import numpy as np
 
 from attention_cases import HEAD_DIM, N_HEADS, N_KV, PAGE_TABLE, WRITTEN, check_rotate_out, filled_cache, queries, run
-from strata_nb.kernels.attention.attention import ATOL, MAX_TILE_ROWS, RTOL, attention, attention_ref, tile_for
+from strata_nb.kernels.attention.attention import ATOL, RTOL, attention, attention_ref
+from strata_nb.kernels.attention.attention_prefill import MAX_TILE_ROWS, tile_for
 from strata_nb.kv_layout import all_blocks_upto, shared_blocks_upto
 
 

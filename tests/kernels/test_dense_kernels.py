@@ -15,8 +15,8 @@ from strata_nb.backend.numpy_backend import NumpyBackend
 from strata_nb.kernels.step.argmax import SPAN as ARGMAX_SPAN, THREADS as ARGMAX_THREADS, argmax, argmax_ref
 from strata_nb.kernels.dense.embed import embed, embed_ref
 from strata_nb.kernels.dense.matmul import matmul, matmul_ref
-from strata_nb.kernels.dense.matvec import (AHEAD, SECTOR, dot_tolerance, fused_tolerance, matvec, matvec_grid,
-                                     matvec_ref, read_ahead_ref)
+from strata_nb.kernels.dense.matvec import (AHEAD, SECTOR, dot_tolerance, fused_tolerance, matvec, matvec1,
+                                            matvec_grid, matvec_ref, read_ahead_ref)
 from strata_nb.gpu.reduce import warp_max, warp_sum
 from strata_nb.kernels.dense.residual import residual, residual_ref
 from strata_nb.kernels.dense.rmsnorm import rmsnorm, rmsnorm_ref, rmsnorm_tolerance
@@ -104,6 +104,20 @@ def test_matvec_matches_ref(qtype, n, shape):
     assert_within(got, want, dot_tolerance(x, dequantize(raw, qtype)))
 
 
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_plain_matvec_matches_ref(qtype):
+    """The plain kernel (a warp per row of W, nothing fused) over every weight type, with
+    3 rows of x: the same tolerance as the fused kernel's, the same sums in another order."""
+    rng = np.random.default_rng(5)
+    out, n_in = MATVEC_SHAPES[0]
+    raw = quantized(rng, qtype, (out, n_in))
+    x = rng.standard_normal((3, n_in)).astype(np.float32)
+    want, got = np.zeros((3, out), np.float32), np.full((3, out), np.nan, np.float32)
+    matvec_ref(x, raw, qtype, want)
+    matvec1(x, raw, qtype, got)
+    assert_within(got, want, dot_tolerance(x, dequantize(raw, qtype)))
+
+
 def test_matvec_warps_split_a_row():
     """Several warps share each row's parts and meet in shared memory (one warp under the
     simulator by default): 3 warps on 37 rows of 2 rows of x."""
@@ -142,8 +156,9 @@ def test_matvec_reads_the_next_matrix_ahead(n, kind):
     assert np.bitwise_xor.reduce(read) == read_ahead_ref(nxt)
 
 
-def test_matvec_tolerance_catches_one_zeroed_scale():
-    """Negative control: zero the scale d of one block of one row; the kernel's output
+@pytest.mark.parametrize("launch", [matvec, matvec1])
+def test_matvec_tolerance_catches_one_zeroed_scale(launch):
+    """Negative control: zero the scale d of one block of one row; each kernel's output
     must leave the tolerance around the intact weights' reference."""
     rng = np.random.default_rng(7)
     out, n_in = MATVEC_SHAPES[0]
@@ -153,7 +168,7 @@ def test_matvec_tolerance_catches_one_zeroed_scale():
     matvec_ref(x, raw, "Q8_0", want)
     broken = raw.copy()
     broken[5, 34:36] = 0  # d of block 1 of row 5 (fp16 0.0)
-    matvec(x, broken, "Q8_0", got)
+    launch(x, broken, "Q8_0", got)
     bound = dot_tolerance(x, dequantize(raw, "Q8_0"))
     assert not within(got, want, bound)
     keep = np.arange(out) != 5

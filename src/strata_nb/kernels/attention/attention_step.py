@@ -1,22 +1,28 @@
-"""Attention for a decode step or a verify window: one query per thread block, the cells
-of a split spread over the block's threads, and the splits merged by the block that
-finishes last, so a layer's attention is one launch. Its reference is attention_ref
-(attention.py), which is also what `attention()` runs it against in the tests.
+"""Attention for a decode step or a verify window: one query per thread block. Its
+reference is attention_ref (attention.py), whose launcher `attention()` checks the
+arrays, moves them and calls the launchers here.
 
 Index legend as attention.py: Q queries, H query heads, G = H // n_kv query heads per
 KV head, D head_dim; a split is `per_split` consecutive columns of the selection, so
 C = per_split * 16 cells.
 
-Why a second kernel. The tiled kernel (attention.py) is built for prompt chunks, where
-a thread block holds up to 48 rows (16 queries x 3 heads) and walks its split's blocks
-one at a time. For one query it holds 3 rows, and every stage per KV block becomes one
-thread's chain: a 64-term dot per (row, cell), a 16-cell softmax per row, four barriers.
-On the H200 that cost 30-34 us a layer at any depth, more than all of a step's matrix
-products. Here every stage is spread over the block:
+Two kernels, in the order to read them:
+
+`attention_step_kernel1`, the plain one: a thread block per (query, head) and a thread
+per output dim. It walks the query's selected blocks one after another; for each it
+reads the block's K and V columns through the format's readers (kv_readers.py), 16
+threads score its 16 cells, and every thread folds them into an online softmax (a
+running max m, sum of weights l and weighted V sum, rescaled when the max grows). No
+splits, no merge: the whole selection is one thread block's loop.
+
+`attention_step_kernel`, the one the engine runs. One thread block per (query, head)
+leaves most of a GPU idle and reads each K and V row G times; this one takes a (query,
+KV head, split) per thread block, so a long context fills the GPU, and spreads every
+stage of the split over the block's threads:
 
     unpack    the split's K and V, dequantized into shared tiles: 16 values per
               column read, neighbouring threads on neighbouring bytes, each byte once
-    scores    one (head, cell) pair per thread: C * G = 192 dots for 4 blocks
+    scores    one (head, cell) pair per thread: C * G dots at once
     softmax   one warp per head: warp_max, then warp_sum of the exp weights
     V sum     one (head, dim) output per thread, a sum over the C cells
 
@@ -40,11 +46,12 @@ and added zeros: the same bits.
 With `rotate`, the merging block also applies the Hadamard transform to each head row
 (hadamard.py's butterflies, one pair per thread per round, the same additions in the
 same order: the same bits as hadamard_ref on the output), which is how a rotated V comes
-back without another launch.
+back without another launch. The plain kernel's launcher rotates its output with a
+second launch (hadamard).
 
 Tolerance against attention_ref: attention.py's ATOL and RTOL. The arithmetic differs
-from the reference only in the order of float32 sums (a 64-term dot per score, the split
-softmax, the merge) and in exp, as the tiled kernel's does.
+from the reference only in the order of float32 sums (a 64-term dot per score, the
+softmax cell by cell or split by split, the merge) and in exp.
 """
 from __future__ import annotations
 
@@ -53,7 +60,7 @@ import math
 import numpy as np
 from numba import cuda, float32, int32
 
-from strata_nb.kernels.kv.hadamard import fwht64_rows
+from strata_nb.kernels.kv.hadamard import fwht64_rows, hadamard
 from strata_nb.kernels.kv.kv_readers import READERS, SIDES
 from strata_nb.gpu.launch import device_empty, last_to_arrive, stream, ticket_counters
 from strata_nb.gpu.geometry import MERGE_UNROLL, STEP_THREADS
@@ -72,17 +79,14 @@ MAX_SPLIT_CELLS = MAX_SPLIT_BLOCKS * BLOCK
 # After the scores the K tile holds the merge's split weights: G * n_splits of them.
 K_TILE_VALUES = 64 * 65
 V_TILE_VALUES = 64 * 64
-# A split of 4 blocks (64 cells) for 256 threads: four threads per cell, each scoring a
-# quarter of D for all G heads; 8K context is 128 splits x 3 KV heads = 384 thread
-# blocks on 132 SMs. 256 threads, not 128, cut each stage's chain of work per thread:
-# 12.2 us against 14.5 at 1,024 cells, 22.8 against 23.6 at 8,192 (fp16, H200,
-# tools/kernel_ab.py). Under the simulator every thread is a Python thread: one warp there.
+# A split of 4 blocks (64 cells) for STEP_THREADS = 256 threads: four threads per cell,
+# each scoring a quarter of D for all G heads. 256 threads, not 128, cut each stage's
+# chain of work per thread. Under the simulator every thread is a Python thread: one
+# warp there.
 STEP_BLOCKS_PER_SPLIT = 4
 # The (part, head, cell) partial scores, and after them the (lane, head, dim) V sums: at
 # most this many, so score_parts and split_lanes use fewer threads for a large G or D.
 SCORE_VALUES = MAX_GROUP * 128
-# Splits a merging thread loads before it adds them, so the loads are in flight together.
-# The simulator pads to 2, not 8: every padded split is 32 more Python threads there.
 RECORD_PAD = 32  # floats after a record's D sums: m, l, then padding to whole 128-byte lines
 
 
@@ -125,10 +129,87 @@ def padded_splits(n_columns: int, per_split: int, head_dim: int, group: int) -> 
 def max_cells(head_dim: int, group: int) -> int:
     """The most cells one query's list may cover at the default split: the merge keeps a
     weight per (head, split) in the K tile (K_TILE_VALUES), in whole merge rounds. The
-    backend checks --max-context against it (88,064 cells for the default model)."""
+    backend checks --max-context against it."""
     per_split = min(STEP_BLOCKS_PER_SPLIT, split_fits(head_dim))
     unit = split_lanes(head_dim, group) * MERGE_UNROLL
     return K_TILE_VALUES // group // unit * unit * per_split * BLOCK
+
+
+# --8<-- [start:attention_step_kernel1]
+def make_attention_step_kernel1(read_k, read_v):
+    """The plain kernel for one format: how it reads a column of K and of V (kv_readers.py)."""
+
+    @cuda.jit
+    def attention_step_kernel1(q,           # (Q, H, D) float32
+                               q_pos,       # (Q,) int32
+                               blocks,      # (Q, S) int32, -1 = padding
+                               page_table,  # (n_logical_blocks,) int32
+                               scale,       # float32: 1 / sqrt(D)
+                               pool_ka, pool_kb, pool_va, pool_vb,  # K and V of the pool, by slot
+                               host_ka, host_kb, host_va, host_vb,  # the same by logical block, or (0, ...)
+                               out):        # (Q, H, D) float32, written
+        i, h, d = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x  # query, head, this thread's dim
+        D = q.shape[2]
+        kv_h = h // (q.shape[1] // pool_ka.shape[1])  # GQA: consecutive heads share a KV head
+        pos = q_pos[i]
+        q_s = cuda.shared.array(MAX_HEAD_DIM, float32)  # the query's head row
+        k_s = cuda.shared.array((BLOCK, MAX_HEAD_DIM), float32)  # a block's 16 K rows
+        scores = cuda.shared.array(BLOCK, float32)  # their scores
+        k_col = cuda.local.array(BLOCK, float32)  # value d of the 16 K rows
+        v_col = cuda.local.array(BLOCK, float32)  # value d of the 16 V rows
+        q_s[d] = q[i, h, d]
+        m, l, acc = NEG_INF, float32(0.0), float32(0.0)  # running max, sum of weights, weighted V sum
+        for s in range(blocks.shape[1]):
+            b = blocks[i, s]
+            if b < 0 or b * BLOCK > pos:
+                continue  # padding, or a block wholly after the query: the same for every thread
+            slot = page_table[b]
+            if slot >= 0:  # resident: its VRAM slot; else in place from the host copy
+                read_k(pool_ka, pool_kb, slot, kv_h, d, k_col)
+                read_v(pool_va, pool_vb, slot, kv_h, d, v_col)
+            else:
+                read_k(host_ka, host_kb, b, kv_h, d, k_col)
+                read_v(host_va, host_vb, b, kv_h, d, v_col)
+            for c in range(BLOCK):
+                k_s[c, d] = k_col[c]
+            cuda.syncthreads()  # the block's K rows (and q) are in
+            if d < BLOCK and b * BLOCK + d <= pos:  # thread c scores cell c, if the query sees it
+                dot = float32(0.0)
+                for j in range(D):
+                    dot += q_s[j] * k_s[d, j]
+                scores[d] = dot * scale
+            cuda.syncthreads()  # the scores are in
+            # The cells up to the query's position; those after it (unwritten bytes, maybe
+            # NaN) are never scored or weighted.
+            for c in range(min(BLOCK, pos - b * BLOCK + 1)):
+                m_new = max(m, scores[c])
+                rescale = math.exp(m - m_new)  # exp(-inf) = 0 at the first cell
+                p = math.exp(scores[c] - m_new)
+                l = l * rescale + p
+                acc = acc * rescale + p * v_col[c]
+                m = m_new
+            cuda.syncthreads()  # every thread is done with k_s and scores before the next block
+        out[i, h, d] = acc / l if l > 0 else float32(0.0)  # no cell seen: 0, as the reference
+
+    return attention_step_kernel1
+
+
+STEP_KERNELS1 = {fmt: make_attention_step_kernel1(READERS[k], READERS[v]) for fmt, (k, v) in SIDES.items()}
+# --8<-- [end:attention_step_kernel1]
+
+
+def attention_step1(fmt, args, sides, out, rotate_out: bool):
+    """Launch the plain kernel, a thread block per (query, head) and a thread per dim, then
+    H on the output where asked; attention(plain=True) has checked the arrays and moved
+    them. args: (q, q_pos, blocks, page_table, scale), sides: the eight pool and host
+    arrays (attention.py: side_arrays), out: the device output."""
+    q = args[0]
+    n_q, n_heads, head_dim = q.shape
+    assert BLOCK <= head_dim <= MAX_HEAD_DIM, f"head_dim {head_dim}: the plain kernel needs {BLOCK}..{MAX_HEAD_DIM}"
+    mixed = device_empty(q.shape, np.float32) if rotate_out else out
+    STEP_KERNELS1[fmt][(n_q, n_heads), head_dim, stream()](*args, *sides, mixed)
+    if rotate_out:
+        hadamard(mixed, out=out)
 
 
 # --8<-- [start:attention_step_kernel]
@@ -146,6 +227,7 @@ def make_attention_step_kernel(read_k, read_v, G, D, per_split):
     PARTS = score_parts(CELLS, D, G)
     SPAN = D // PARTS  # terms of a score's dot each of its PARTS threads adds
 
+    # --8<-- [start:step_write_output]
     @cuda.jit(device=True)
     def write_output(dots,     # [(lane * G + g) * D + d]: the head rows' sums, by lane
                      total,    # [g]: each head's sum of weights
@@ -165,6 +247,7 @@ def make_attention_step_kernel(read_k, read_v, G, D, per_split):
         for e in range(t, G * D, N_THREADS):
             g, d = e // D, e % D
             out[i, kv_h * G + g, d] = merged[g, d]
+    # --8<-- [end:step_write_output]
 
     @cuda.jit
     def attention_step_kernel(q,           # (Q, G * n_kv, D) float32
@@ -200,6 +283,7 @@ def make_attention_step_kernel(read_k, read_v, G, D, per_split):
         acc = cuda.local.array(G, float32)  # this thread's sum for each head (registers: G is fixed)
         ahead = cuda.local.array((MERGE_UNROLL, G), float32)  # the merge's loads in flight
 
+        # --8<-- [start:step_lone_split]
         # A lone split: in an ordered list whose column per_split is unseen (padding, or
         # after the query), no split but the first sees a cell. The others leave, and the
         # first writes the output itself: no records, no ticket, no merge. Every thread
@@ -220,7 +304,9 @@ def make_attention_step_kernel(read_k, read_v, G, D, per_split):
         lone = alone[0]
         if lone == 1 and split > 0:
             return  # the whole thread block, past its only barrier so far
+        # --8<-- [end:step_lone_split]
 
+        # --8<-- [start:step_split]
         # A split that sees no cell (a replayed resident step lists every block of the
         # cache, so at a short context most splits are past the query) skips to its
         # record: sums 0, m = -inf, l = 0, which the merge weighs 0.
@@ -317,6 +403,8 @@ def make_attention_step_kernel(read_k, read_v, G, D, per_split):
                 for g in range(G):
                     dots[(lc * G + g) * D + d] = acc[g]
             cuda.syncthreads()
+        # --8<-- [end:step_split]
+        # --8<-- [start:step_lone_output]
         if lone == 1:  # the V sums by lane are in dots, each head's sum of weights in total
             if seen_any == 0:
                 for g in range(t, G, N_THREADS):
@@ -324,6 +412,9 @@ def make_attention_step_kernel(read_k, read_v, G, D, per_split):
                 cuda.syncthreads()
             write_output(dots, total, weights, out, i, kv_h, t, rotate)
             return
+        # --8<-- [end:step_lone_output]
+        # --8<-- [start:step_record]
+        # This split's record: its V sums (the lanes' added in lane order), max and sum.
         for e in range(t, G * D, N_THREADS):
             g, d = e // D, e % D
             x = float32(0.0)
@@ -338,7 +429,9 @@ def make_attention_step_kernel(read_k, read_v, G, D, per_split):
         # The ticket: the block that draws the last one merges.
         if last_to_arrive(arrivals, (i, kv_h), n_splits) == 0:
             return
+        # --8<-- [end:step_record]
 
+        # --8<-- [start:step_merge]
         # The merge, by the last block: each split's sums rescaled to the largest max. A
         # split that saw no cell has m = -inf and l = sums = 0: weight 0. First each head's
         # max, and the end of the splits that saw anything (a short context in a long list
@@ -394,6 +487,7 @@ def make_attention_step_kernel(read_k, read_v, G, D, per_split):
                 dots[(ls * G + g) * D + d] = acc[g]
         cuda.syncthreads()
         write_output(dots, total, weights, out, i, kv_h, t, rotate)
+        # --8<-- [end:step_merge]
 
     return attention_step_kernel
 # --8<-- [end:attention_step_kernel]

@@ -1,108 +1,81 @@
 """y = x @ W.T for a few activation rows, W read once in its GGUF quantized form: the decode
-hot path (a decode step is 1 row, a verify window up to 8).
+hot path (a decode step is 1 row of x, a verify window up to 8).
 
 Index legend: n activation rows (1..8), in = the row length of x and W, out = rows of W.
 
-Why this is a bandwidth problem. A decode step multiplies each weight once, so the time
-is the time to read the weights: the default model's 63 MiB of Q4_1 matrices plus its
-29 MiB Q8_0 output head per token, against an H200's ~4.8 TB/s (~20 us a token at the
-ceiling). Arithmetic is cheap next to that, so the kernel is shaped around the reads:
+The file reads top down: `matvec_ref`, the spec, and its tolerance; the per-type
+dequantizers both kernels call; `matvec_kernel1`, the plain kernel (a warp per row of W,
+nothing fused) with its launcher `matvec1`; then the fused kernel the engine runs, built
+by `make_matvec_kernel`, and its launcher `matvec`.
 
-- a thread handles a *part*, 8 of the 32 values of a quantization block, so 4
-  neighbouring threads cover one block and a warp covers 8 blocks: the warp's loads fall
-  on one contiguous run of the row (coalesced), each thread loading its 4 bytes of codes
-  as one 4-byte word (Q4_1, F32) or two/four 2-byte halves (Q4_0 and Q8_0 blocks are 18
-  and 34 bytes, so their codes sit only on 2-byte boundaries);
-- the fp16 scale d (and Q4_1's offset m) is loaded once per block by each of its 4
-  threads: one address, so one transaction for the warp;
-- a thread block works on ROWS = 4 rows of W at once, and its warps split each row's
-  parts between them (3 warps for a 576-value row, 6 for 1,536): every thread has one or
-  two parts per row, so its loads of all 4 rows are in flight together, and each value
-  of x it loads serves 4 weights;
-- every activation row is accumulated from that one read of the weights (`acc`), so a
-  verify window costs the weight reads of one step; a 1-row step compiles its own kernel
-  (4 sums a thread, not 32), whose smaller register count fits more warps on an SM;
-- `warp_sum` (reduce.py) adds each warp's lanes, then one thread per output adds the
-  warps' sums in warp order.
+Why this is a bandwidth problem. A decode step multiplies each weight once, so its time
+is the time to read the weights (the default model's 92 MiB a token), and arithmetic is
+cheap next to that. Both kernels are shaped around the reads: a lane handles a *part*,
+8 of the 32 values of a quantization block, so 4 neighbouring lanes cover one block and
+a warp's loads fall on one contiguous run of the row (coalesced); every row of x is
+summed from that one read of W, so a verify window costs the weight reads of one step.
 
-x itself is read through the cache: every block of the grid reads the same few KiB.
+The fused kernel. The plain kernel gives each row of W one warp; the fused one differs
+in what would otherwise cost a launch or leave loads waiting:
 
-Fused in (the forward pass's `normed_matmul`, `gated_matmul_add_`, `matmul_add_`): a
-*prologue* decides what the kernel multiplies, x itself, rmsnorm(x) or swiglu(gate|up);
-an *epilogue* stores y, adds to it (the residual), or stores q|k|v with RoPE applied to
-its q and k heads (`normed_matmul_rope`, one row of x). A decode step launches 121
-matvecs and no separate norm, RoPE, gate or add.
+- a thread block works on ROWS = 4 rows of W at once and its warps split each row's
+  parts between them, so every thread has one or two parts per row and its loads of all
+  4 rows are in flight together, each value of x it loads serving 4 weights; a 1-row
+  step compiles its own kernel (4 sums a thread, not 32), whose smaller register count
+  fits more warps on an SM;
+- a *prologue* decides what it multiplies: x, rmsnorm(x) or swiglu(gate|up) (the forward
+  pass's `normed_matmul`, `gated_matmul_add_`), so no norm or gate launch precedes it;
+- an *epilogue* stores y, adds it to the residual (`matmul_add_`), or stores q|k|v with
+  RoPE applied to the q and k heads (`normed_matmul_rope`), and in a decode step with
+  an fp16/fp32 cache also writes k and v into the new cell;
+- before its own loads it reads the first bytes of the next matvec's weights into L2.
 
 The norm is applied last. rmsnorm(x) W = (1 / rms(x)) ((x * norm) W), so a normed kernel
 multiplies x * norm, sums the squares of x from the values its first trip loads anyway
 (its threads read every column of x once), reduces them with the products, and
-multiplies each output's sum by 1 / rms. Working out the norm first (a block-wide sum of
-x, two barriers) held back every weight load behind it: on the H200 the q|k|v matvec
-took 4.9 us that way and takes 4.1 now, gate|up 5.8 and 5.3, the head 54.2 and 47.2
-(`tools/kernel_ab.py matvec`, side by side; the head's figure includes its Q8_0 codes
-being sign-extended by shifts rather than a compare).
+multiplies each output's sum by 1 / rms: no block-wide sum of x (two barriers) holds the
+weight loads back.
 
-Measured on an H200 when this layout was built, before the norm moved last (one decode
-step's matvecs, the default model's shapes; CUPTI, median of 50 launches;
-`tools/kernel_bench.py`): q|k|v with its norm 4.6 us, o with the add 3.5, gate|up with
-its norm 6.0, down with SwiGLU and the add 4.9, the Q8_0 output head (49152 x 576, 30
-MB) with its norm 61 us. The previous version, a warp per 4 rows with
-every lane striding over the whole row, took 8.6, 6.5, 9.1, 17.2 and 65 us for the same
-fused launches: a lane there walked up to 6 parts of a row one after another, each
-waiting for its loads. The small matrices are bound by latency (0.2 to 1.8 MB in 3 to
-6 us), the head by bandwidth at about 500 GB/s, 16% of the device's copy rate: 2- and
-4-byte loads, where a repacked layout (codes apart from scales) would allow 16-byte ones.
-
-Reading ahead. A step reads 92 MiB of weights, more than the H200's L2 cache holds, so
-each matvec finds its weights in HBM ("cold"), and its blocks, each a short chain of
-loads, wait the longer trip. On the H200 (CUPTI, the kernel alone after a 256 MiB copy
-has flushed L2, against the same launch back to back) q|k|v took 5.2 us cold and 4.0
-hot, o 4.8 and 3.3, gate|up 6.1 and 5.2, down 6.0 and 4.5, the head 53.9 and 47.2. So
-every matvec is handed the matrix the step multiplies next (`ahead`: q|k|v -> o -> gate|up
--> down -> the next layer's q|k|v or the head -> the next step's first q|k|v), and
-before its own loads each thread asks for the first byte of up to AHEAD 32-byte sectors
-of it (the unit L2 caches from HBM). It uses those bytes only after its own work, so
-they never hold it up, and by the next launch they are in L2. Read that way first, the
-same cold launches took 4.3, 4.0, 5.4, 5.2 and 48.1 us. The bytes go into a XOR that is
+Reading ahead. A step's weights do not fit the L2 cache, so each matvec would find its
+weights in HBM and its short chains of loads would wait the longer trip. So every
+matvec is handed the matrix the step multiplies next (`ahead`: q|k|v -> o -> gate|up ->
+down -> the next layer's q|k|v or the head -> the next step's first q|k|v), and before
+its own loads each thread asks for the first byte of up to AHEAD 32-byte sectors of it
+(the unit L2 caches from HBM). It uses those bytes only after its own work, so they
+never hold it up, and by the next launch they are in L2. The bytes go into a XOR that is
 written only when asked (`ahead_out`, the test's way in): a load whose value is never
 used would be dropped by the compiler.
 
-Appending in the epilogue. A decode step's fp16/fp32 cells are only cast when they
-are stored, so the q|k|v matvec writes them itself (`append`, the "rope_append"
-epilogue): the thread that stores a roped k or v pair stores it into the new cell too,
-through kv_append_fp16's `store_cell`, the append kernel's own device body (VRAM slot
-if the block is resident, host copy if there is one). One launch fewer a layer: on the
-H200, with random weights of the default shapes, a step from 64 cells went from 1,135 to
-1,090 us (`kv_append_fp16` 66 us of kernel time gone; q|k|v 4.96 -> 5.66 us a launch in
-the step, CUPTI, for reasons not found: looking the cell's slot up early or touching its
-sector early did not help). The cell's position is loaded before the weights and its
-page-table entry after their loads are out, so neither holds them back.
+Appending in the epilogue. A decode step's fp16/fp32 cells are only cast when they are
+stored, so the q|k|v matvec writes them itself (`append`, the "rope_append" epilogue):
+the thread that stores a roped k or v pair stores it into the new cell too, through
+kv_append_fp16's `store_cell`, the append kernel's own device body (VRAM slot if the
+block is resident, host copy if there is one): one launch fewer a layer. The cell's
+position is loaded before the weights and its page-table entry after their loads are
+out, so neither holds them back.
 
-The per-type dequantizers are small device functions with one signature,
-`part(a, b, blk, p, w)`: a and b are two views of one weight row (see QTYPES), blk the
-32-value block, p the part (0..3), and w the part's 8 values, written. matmul.py
-(prefill) and embed.py reuse them. Dequantization is exact in float32 (a 4- or 8-bit code
-times an fp16 scale fits in 24 bits; Q4_1's `+ m` rounds once, fused or not), so kernel
-and reference multiply the same weights.
+The dequantizers are small device functions with one signature, `part(a, b, blk, p, w)`:
+a and b are two views of one weight row (see QTYPES), blk the 32-value block, p the part
+(0..3), and w the part's 8 values, written. matmul.py (prefill) and embed.py reuse them.
+Dequantization is exact in float32 (a 4- or 8-bit code times an fp16 scale fits in 24
+bits; Q4_1's `+ m` rounds once, fused or not), so kernel and reference multiply the same
+weights.
 
-Tolerance. The kernel and the reference (`x @ dequantize(raw, qtype).T`, float32 BLAS)
-sum the same `in` products in different orders: the kernel adds in/32 products per lane
-one after another, then a 5-level tree over lanes; BLAS in its own blocked order. Any
+Tolerance. A kernel and the reference (`x @ dequantize(raw, qtype).T`, float32 BLAS) sum
+the same `in` products in different orders: a kernel adds in/32 products per lane one
+after another, then a 5-level tree over lanes; BLAS in its own blocked order. Any
 float32 summation of k products is within (k + 1) * u * sum_i |x_i w_i| of the exact
 value (u = 2^-24; first order, whatever the order), so the two are within
 `dot_tolerance` = 2 (in + 1) u sum_i |x_i| |w_i| of each other, output by output. It is
-loose (random rounding errors grow like sqrt(k); the tests see at most 1/30 of it), and
-still below what a real bug costs: one wrong scale moves 32 products, ~32 sum/in, which
-is 16 / (u in^2) times the bound (110x at in = 1536, 800x at in = 576); a single wrong
-weight of average size, 1 / (2 u in^2) times (3.5x at in = 1536).
+loose (random rounding errors grow like sqrt(k)), and still below what a real bug costs:
+one wrong scale moves 32 products, ~32 sum/in, which is 16 / (u in^2) times the bound.
 
 A fused prologue computes the activations itself, so they may differ from
 rmsnorm_ref's or swiglu_ref's by those kernels' own tolerances ((in + 8) u and 16 u,
 relatively); through the product that adds rtol * sum_i |x_i| |w_i| (`fused_tolerance`).
 The normed kernel's 1 / rms has rmsnorm's error, and scaling the sum rounds once more
 (u |y|, with |y| <= sum_i |x_i| |w_i|), against the one rounding of x * inv it saves per
-value: within the same bound.
-A fused add rounds once more on each side: 2 u |y| more.
+value: within the same bound. A fused add rounds once more on each side: 2 u |y| more.
 """
 from __future__ import annotations
 
@@ -126,9 +99,9 @@ PARTS = 4  # lanes per block
 PART = QK // PARTS  # 8 values per lane per block
 MAX_ROWS = 8  # activation rows per call: a decode step (1) or a verify window (<= 8)
 ROWS = 4  # rows of W a thread block works through together
-# Warps per thread block: enough for one part of each row per thread (3 for a 576-value
-# row, 6 for 1536), at most 8; thread blocks at most 16 per SM of an H200 (a larger W is
-# grid-strided, so the output head's norm is worked out 2,112 times, not 12,288). The
+# The fused kernel's warps per thread block: enough for one part of each row per thread,
+# at most 8; thread blocks at most 16 per SM of an H200 (a larger W is grid-strided, so
+# the output head's norm is worked out once per thread block, not once per 4 rows). The
 # simulator runs every CUDA thread as a Python thread and wakes them one by one at every
 # barrier: one warp striding over all rows costs the least there.
 MAX_WARPS, MAX_BLOCKS = MATVEC_MAX_WARPS, MATVEC_MAX_BLOCKS
@@ -136,7 +109,7 @@ SUM_WARPS = 8  # rows of the shared array the warps' sums meet in
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "F16": 64, "F32": 128}  # bytes per 32 values
 U = 2.0 ** -24  # float32 unit roundoff
 SECTOR = 32  # bytes: what L2 caches from HBM at a time
-AHEAD = 4  # sectors of the next matvec's rows each thread reads ahead (o's 13,824 threads: 1.8 MB)
+AHEAD = 4  # sectors of the next matvec's rows each thread reads ahead
 
 
 # --8<-- [start:matvec_ref]
@@ -297,6 +270,73 @@ def weight_views(raw, qtype: str):
     return raw.view(view_a), raw.view(view_b)
 
 
+# --8<-- [start:matvec_kernel1]
+def make_matvec_kernel1(part, nibbles):
+    """The plain kernel for one weight type (its dequantizer `part`): one warp per row of
+    W, each lane dequantizing every 32nd part of the row and multiplying it with every
+    row of x; nothing fused, no rows of W shared between warps."""
+
+    @cuda.jit
+    def matvec_kernel1(x,     # (n, in) float32, n <= MAX_ROWS
+                       n_in,  # int32: the length of a row of W
+                       a,     # (out, *) view a of W's rows (QTYPES)
+                       b,     # (out, *) view b of the same bytes
+                       y):    # (n, out) float32, written
+        o = cuda.blockIdx.x  # the row of W; the thread block is one warp
+        lane = cuda.threadIdx.x
+        w = cuda.local.array(PART, float32)  # 8 weights of the row, dequantized
+        acc = cuda.local.array(MAX_ROWS, float32)  # this lane's sum for each row of x
+        for r in range(MAX_ROWS):
+            acc[r] = float32(0.0)
+        # Lane l takes parts l, l + 32, ...: each round the warp's 32 parts are 8 whole
+        # blocks side by side, so its loads fall on one contiguous run of the row.
+        for q in range(lane, n_in // PART, WARP):
+            blk, p = q // PARTS, q % PARTS
+            part(a[o], b[o], blk, p, w)
+            lo, hi = part_runs(nibbles, p)  # the columns of w[0:4] and w[4:8] in the block
+            lo, hi = blk * QK + lo, blk * QK + hi
+            for r in range(x.shape[0]):
+                for j in range(4):
+                    acc[r] += w[j] * x[r, lo + j] + w[4 + j] * x[r, hi + j]
+        for r in range(x.shape[0]):
+            total = warp_sum(acc[r])  # the 32 lanes' sums, in every lane
+            if lane == 0:
+                y[r, o] = total
+
+    return matvec_kernel1
+
+
+MATVEC_KERNELS1 = {qtype: make_matvec_kernel1(part, nibbles) for qtype, (part, _, _, nibbles) in QTYPES.items()}
+# --8<-- [end:matvec_kernel1]
+
+
+def matvec1(x, raw, qtype, y):
+    """Like matvec_ref without fusions, with the plain kernel: a warp per row of W. NumPy
+    arguments are moved (y is written back); device arguments are used in place."""
+    expect("x", x, np.float32, (None, None))
+    n, n_in = x.shape
+    assert n <= MAX_ROWS, f"x has {n} rows; matvec1 takes at most {MAX_ROWS} (use matmul)"
+    expect("raw", raw, np.uint8, (None, row_bytes(qtype, n_in)))
+    n_out = raw.shape[0]
+    expect("y", y, np.float32, (n, n_out))
+    if n == 0 or n_out == 0:
+        return
+    with DeviceArgs() as dev:
+        a, b = weight_views(dev.read(raw), qtype)
+        MATVEC_KERNELS1[qtype][n_out, WARP, stream()](dev.read(x), np.int32(n_in), a, b, dev.write(y))
+
+
+# ---- the fused kernel the engine runs ---------------------------------------------------
+# What it adds to the plain kernel, each marked as a region the GPU pages include:
+#   rows of W and warps per thread block  matvec_rows
+#   the norm prologue     norm_prologue, norm_squares_init, norm_squares, norm_inv
+#   the swiglu prologue   swiglu_prologue
+#   the add epilogue      add_epilogue
+#   the rope epilogue     rope_epilogue, rope_store
+#   the append epilogue   append_pair, append_position, append_home
+#   the read ahead        read_ahead, read_ahead_use, read_ahead_ref
+
+
 # --8<-- [start:matvec_prologues]
 # What the kernel multiplies by W, value x[r, col] of the row it reads: all take
 # (x, norm, r, col, n_in). A normed kernel multiplies x * norm and applies 1 / rms to
@@ -306,15 +346,19 @@ def x_plain(x, norm, r, col, n_in):
     return x[r, col]
 
 
+# --8<-- [start:norm_prologue]
 @cuda.jit(device=True)
 def x_normed(x, norm, r, col, n_in):
     return x[r, col] * norm[col]  # times 1 / rms, which the kernel applies to the sum
+# --8<-- [end:norm_prologue]
 
 
+# --8<-- [start:swiglu_prologue]
 @cuda.jit(device=True)
 def x_gated(x, norm, r, col, n_in):
     g, u = x[r, col], x[r, n_in + col]  # the gate and up halves of gate|up
     return g / (float32(1.0) + math.exp(-g)) * u  # swiglu_kernel's expression
+# --8<-- [end:swiglu_prologue]
 
 
 @cuda.jit(device=True)
@@ -322,11 +366,14 @@ def y_store(y, r, o, total):
     y[r, o] = total
 
 
+# --8<-- [start:add_epilogue]
 @cuda.jit(device=True)
 def y_add(y, r, o, total):
     y[r, o] += total  # the residual add: one rounding for the dot, one for the sum
+# --8<-- [end:add_epilogue]
 
 
+# --8<-- [start:rope_epilogue]
 @cuda.jit(device=True)
 def y_rope_pair(y, r, o, t0, t1, cos, sin, rope_rows, hd):
     """Outputs o and o + 1 (o even) of q|k|v: rotated as a RoPE pair when they are q or k
@@ -339,6 +386,7 @@ def y_rope_pair(y, r, o, t0, t1, cos, sin, rope_rows, hd):
         t0, t1 = mul_rn(t0, c) - mul_rn(t1, s), mul_rn(t0, s) + mul_rn(t1, c)
     y[r, o], y[r, o + 1] = t0, t1
     return t0, t1
+# --8<-- [end:rope_epilogue]
 # --8<-- [end:matvec_prologues]
 
 
@@ -405,11 +453,13 @@ def make_matvec_kernel(part, nibbles, load_x, store_y, normed, x_rows, rows, rop
                       page_table,  # (n_blocks,) int32 with append, else unused
                       pool_k, pool_v,   # (n_slots, n_kv, 16, hd) float16/float32 with append
                       host_k, host_v):  # (n_blocks, n_kv, 16, hd) or size 0 (no host copy)
+        # --8<-- [start:matvec_rows]
         # A thread block takes `rows` rows of W at a time; its threads split the rows' parts
         # between them (thread t: parts t, t + threads, ...), so each has one or two parts
         # per row to load and the loads of all its rows are in flight together.
         t, n_threads = cuda.threadIdx.x, cuda.blockDim.x
         lane, warp = t % WARP, t // WARP
+        # --8<-- [end:matvec_rows]
         n, n_out = x.shape[0], y.shape[1]
         n_parts = n_in // PART
         w = cuda.local.array((rows, PART), float32)  # one part of each of the block's rows
@@ -419,11 +469,14 @@ def make_matvec_kernel(part, nibbles, load_x, store_y, normed, x_rows, rows, rop
         squares = cuda.local.array(x_rows, float32)  # this thread's sum of x^2 (normed, first trip)
         per_warp = cuda.shared.array((SUM_WARPS, rows, x_rows), float32)  # each warp's sums
         per_warp_squares = cuda.shared.array((SUM_WARPS, x_rows), float32)
+        # --8<-- [start:norm_squares_init]
         # Normed: the rows' norms come from the x values the first trip loads anyway (its
         # threads read every column once), summed with the products: the weights' loads
         # go out first, not after a block-wide reduction of x.
         for r in range(x_rows):
             squares[r] = float32(0.0)
+        # --8<-- [end:norm_squares_init]
+        # --8<-- [start:read_ahead]
         # Ahead: before its own loads, each thread asks for the first byte of AHEAD 32-byte
         # sectors of the next matvec's weights (the unit L2 caches from HBM), and uses them
         # only after its own work, so they wait in L2 for that launch ("Reading ahead").
@@ -433,11 +486,14 @@ def make_matvec_kernel(part, nibbles, load_x, store_y, normed, x_rows, rows, rop
         for u in range(AHEAD):  # this thread's sectors: g, g + the grid's threads, ...
             sector = g + u * cuda.gridDim.x * n_threads
             early[u] = uint32(ahead[sector * SECTOR]) if sector < n_sectors else uint32(0)
+        # --8<-- [end:read_ahead]
+        # --8<-- [start:append_position]
         # Appending (one row of x: a decode step): the new cell's position is loaded now, in
         # flight with the weights; its page-table entry once the weights' loads are out,
         # so neither lookup holds them back (cell_home below)
         position = kv_pos[0] if append else 0
         home = (int64(0), int64(0), int32(-1))
+        # --8<-- [end:append_position]
         first_trip = True
         # Grid-stride over the rows of W, `rows` at a time: every thread of the block makes
         # the same trips, so each trip's reductions are reached by all of them. The strided
@@ -465,22 +521,27 @@ def make_matvec_kernel(part, nibbles, load_x, store_y, normed, x_rows, rows, rop
                         for j in range(4):  # 8 values of x, each used for `rows` weights
                             xs[j] = load_x(x, norm, r, lo + j, n_in)
                             xs[4 + j] = load_x(x, norm, r, hi + j, n_in)
+                        # --8<-- [start:norm_squares]
                         if normed and first_trip:
                             for j in range(4):
                                 squares[r] += x[r, lo + j] * x[r, lo + j]
                                 squares[r] += x[r, hi + j] * x[r, hi + j]
+                        # --8<-- [end:norm_squares]
                         for k in range(rows):
                             total = acc[k, r]
                             for j in range(PART):
                                 total += w[k, j] * xs[j]
                             acc[k, r] = total
                 q += n_threads
+            # --8<-- [start:append_home]
             if append and first_trip:
                 home = cell_home(position, page_table)
+            # --8<-- [end:append_home]
             # Sum the threads' partial sums: within each warp by shuffles, then the warps'
             # sums in warp order, so the result never depends on timing. A one-warp block
             # (a short row; every block under the simulator) stores its sums directly: no
             # barrier, which the simulator pays for dearly. The squares go the same way.
+            # --8<-- [start:norm_inv]
             if normed and first_trip:
                 for r in range(x_rows):
                     if r < n:
@@ -489,6 +550,7 @@ def make_matvec_kernel(part, nibbles, load_x, store_y, normed, x_rows, rows, rop
                             inv[r] = inv_rms(total, n_in, eps)
                         elif lane == 0:
                             per_warp_squares[warp, r] = total
+            # --8<-- [end:norm_inv]
             for k in range(rows):
                 for r in range(x_rows):
                     if r < n:  # n is the same for every thread, so the reduction stays collective
@@ -502,6 +564,7 @@ def make_matvec_kernel(part, nibbles, load_x, store_y, normed, x_rows, rows, rop
                                 store_y(y, r, o0 + k, total)
                         elif lane == 0:
                             per_warp[warp, k, r] = total
+            # --8<-- [start:rope_store]
             if rope and n_threads == WARP and lane == 0:
                 for k in range(0, rows, 2):
                     for r in range(x_rows):
@@ -509,6 +572,7 @@ def make_matvec_kernel(part, nibbles, load_x, store_y, normed, x_rows, rows, rop
                             u0, u1 = y_rope_pair(y, r, o0 + k, acc[k, r], acc[k + 1, r], cos, sin, rope_rows, hd)
                             if append:
                                 append_pair(o0 + k, u0, u1, rope_rows, hd, n_out, home, pool_k, pool_v, host_k, host_v)
+            # --8<-- [end:rope_store]
             if n_threads > WARP:  # the same for every thread: the barriers stay collective
                 cuda.syncthreads()
                 if normed and first_trip:  # every thread: the warps' squares in warp order
@@ -542,11 +606,13 @@ def make_matvec_kernel(part, nibbles, load_x, store_y, normed, x_rows, rows, rop
                 cuda.syncthreads()  # per_warp is read before the next trip writes it
             o0 += cuda.gridDim.x * rows
             first_trip = False
+        # --8<-- [start:read_ahead_use]
         read = uint32(0)  # the bytes read ahead are used, or the compiler would drop their loads
         for u in range(AHEAD):
             read ^= early[u]
         if report == 1:
             ahead_out[g] = read
+        # --8<-- [end:read_ahead_use]
 
     return matvec_kernel
 
