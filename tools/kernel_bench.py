@@ -15,6 +15,7 @@ from numba import cuda
 
 import strata_nb.kernels.attention.attention as at
 import strata_nb.kernels.dense.matvec as mv
+import strata_nb.kernels.dense.matvec_fused as mvf
 from strata_nb.bench.profile import kernel_times
 from strata_nb.kv_layout import pool_arrays
 from strata_nb.kv_layout import all_blocks_upto
@@ -78,7 +79,7 @@ def matvecs():
     norm = cuda.to_device(np.ones(576, np.float32))
     default = mv.ROWS
     for rows in (2, 4, 8):
-        mv.ROWS, mv.MATVEC_KERNELS = rows, mv.matvec_kernels(rows)
+        mv.ROWS, mv.MATVEC_KERNELS = rows, mvf.matvec_kernels(rows)
         times = []
         for name, (qtype, n_out, n_in, kind) in MATVEC_SHAPES.items():
             y = cuda.device_array((1, n_out), np.float32)
@@ -86,7 +87,7 @@ def matvecs():
             t = us(lambda: mv.matvec(xs, weights[name], qtype, y, **fused(kind, norm[:n_in])), 50)
             times.append(f"{name} {sum(t.values()):.1f}")
         print(f"matvec, {rows} rows of W per block (us): " + ", ".join(times), flush=True)
-    mv.ROWS, mv.MATVEC_KERNELS = default, mv.matvec_kernels(default)
+    mv.ROWS, mv.MATVEC_KERNELS = default, mvf.matvec_kernels(default)
 
 
 if __name__ == "__main__":

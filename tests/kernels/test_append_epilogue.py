@@ -11,7 +11,7 @@ import pytest
 from numba import cuda
 
 from conftest import ON_GPU
-from strata_nb.kernels.dense import matvec as matvec_module
+from strata_nb.kernels.dense import matvec as matvec_module, matvec_fused
 from strata_nb.kernels.kv.kv_append_fp16 import kv_append_fp16, store_cell
 from strata_nb.kernels.dense.matvec import matvec, matvec_ref
 from strata_nb.kv_layout import BLOCK
@@ -91,7 +91,7 @@ def test_append_epilogue_writes_what_kv_append_fp16_writes(monkeypatch, fmt, war
 
     if with_host:  # negative control: V's host cell is lost, and the comparisons above see it
         monkeypatch.setattr(matvec_module, "MATVEC_KERNELS",
-                            matvec_module.matvec_kernels(matvec_module.ROWS, store=store_cell_v_host_dropped))
+                            matvec_fused.matvec_kernels(matvec_module.ROWS, store=store_cell_v_host_dropped))
         bad_y, bad_pool, bad_host = fused()
         assert bad_y.tobytes() == y.tobytes() and bad_pool[1].tobytes() == pool[1].tobytes()
         assert bad_host[0].tobytes() == host[0].tobytes()

@@ -15,8 +15,8 @@ from strata_nb.backend.numpy_backend import NumpyBackend
 from strata_nb.kernels.step.argmax import SPAN as ARGMAX_SPAN, THREADS as ARGMAX_THREADS, argmax, argmax_ref
 from strata_nb.kernels.dense.embed import embed, embed_ref
 from strata_nb.kernels.dense.matmul import matmul, matmul_ref
-from strata_nb.kernels.dense.matvec import (AHEAD, SECTOR, dot_tolerance, fused_tolerance, matvec, matvec1,
-                                            matvec_grid, matvec_ref, read_ahead_ref)
+from strata_nb.kernels.dense.matvec import dot_tolerance, fused_tolerance, matvec, matvec1, matvec_grid, matvec_ref
+from strata_nb.kernels.dense.matvec_fused import AHEAD, SECTOR, read_ahead_ref
 from strata_nb.gpu.reduce import warp_max, warp_sum
 from strata_nb.kernels.dense.residual import residual, residual_ref
 from strata_nb.kernels.dense.rmsnorm import rmsnorm, rmsnorm_ref, rmsnorm_tolerance

@@ -19,7 +19,7 @@ import numpy as np
 from numba import cuda, float32
 
 from strata_nb.gpu.launch import DeviceArgs, expect, grid_for, is_host_numpy
-from strata_nb.kernels.dense.matvec import PART, PARTS, QK, QTYPES, part_runs, row_values, weight_views
+from strata_nb.kernels.dense.gguf_rows import PART, PARTS, QK, QTYPES, part_runs, row_values, weight_views
 from strata_nb.model.dequant import dequantize
 
 

@@ -37,7 +37,8 @@ from numba import cuda, float32
 
 from strata_nb.gpu.launch import DeviceArgs, expect, stream
 from strata_nb.gpu.geometry import MATMUL_SIDE, MATMUL_TILE
-from strata_nb.kernels.dense.matvec import PART, PARTS, QK, QTYPES, matvec_ref, part_runs, row_bytes, weight_views
+from strata_nb.kernels.dense.gguf_rows import PART, PARTS, QK, QTYPES, part_runs, row_bytes, weight_views
+from strata_nb.kernels.dense.matvec import matvec_ref
 
 # Under the simulator every thread is a Python thread and every padded row is computed:
 # tiles of 16 there (8 x 8 threads, 2 x 2 outputs each), so a 15-token prompt is not
