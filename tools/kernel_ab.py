@@ -5,22 +5,24 @@ compared bit for bit, so a change that moves the time is seen next to the one it
 replaces, not across two runs (or two machines) whose clocks and neighbours differ.
 
     STRATA_NB_GPU=1 python tools/kernel_ab.py attention_step HEAD~1
-    STRATA_NB_GPU=1 python tools/kernel_ab.py matvec path/to/old_matvec.py
+    STRATA_NB_GPU=1 python tools/kernel_ab.py matvec_fused path/to/old_matvec_fused.py
 
-Modules it knows how to drive, on the default model's shapes with random bytes for K/V
-and weights (the times depend on the shapes only):
+Modules it knows how to drive (FILES: the kernel file each compares), on the default
+model's shapes with random bytes for K/V and weights (the times depend on the shapes only):
 
 - `attention_step`: one decode query at 48, 1,024 and 8,192 cells of a 512-block list
   (as a replayed step lists every block), and 1,024 of a 68-block list, fp16 and k8v4;
-- `attention`: the prompt kernel and its combine, 256 queries ending at 8K and 2,048
-  ending at 4K, fp16 and k8v4;
-- `matvec`: each fused matvec of a decode step (q|k|v, o, gate|up, down, the Q8_0 head);
+- `attention_prefill`: the prompt kernel and its combine, 256 queries ending at 8K and
+  2,048 ending at 4K, fp16 and k8v4;
+- `matvec_fused`: each fused matvec of a decode step (q|k|v, o, gate|up, down, the Q8_0 head);
 - `argmax`: the greedy pick over the default model's 49,152 logits.
 
 Each version is loaded as its own module (`strata_nb.kernels.<name>_ab0`, `_ab1`), so
-its kernels compile apart and CUPTI names them as the product's.
+its kernels compile apart and CUPTI names them as the product's. The product's launcher
+(`attention`, `matvec`) runs each version by taking its launcher or kernel table in turn.
 """
 import importlib.util
+import re
 import subprocess
 import sys
 import tempfile
@@ -44,13 +46,26 @@ def old_source(module: str, against: str, tmp: Path) -> Path:
     that git revision."""
     if Path(against).is_file():
         return Path(against)
-    rel = f"src/strata_nb/kernels/{module}.py"
-    text = subprocess.run(["git", "-C", str(ROOT), "show", f"{against}:{rel}"], capture_output=True, text=True)
-    if text.returncode != 0:
-        sys.exit(f"kernel_ab: no {rel} at {against!r}: {text.stderr.strip()}")
+    # the file's path now, then where it was before the kernels were grouped by role
+    for rel in (f"src/strata_nb/kernels/{FILES[module]}", f"src/strata_nb/kernels/{Path(FILES[module]).name}"):
+        text = subprocess.run(["git", "-C", str(ROOT), "show", f"{against}:{rel}"], capture_output=True, text=True)
+        if text.returncode == 0:
+            break
+    else:
+        sys.exit(f"kernel_ab: no {FILES[module]} at {against!r}: {text.stderr.strip()}")
     path = tmp / f"{module}_{against.replace('/', '_').replace('~', '_')}.py"
-    path.write_text(text.stdout)
+    path.write_text(text.stdout if rel.endswith(FILES[module]) else with_todays_imports(text.stdout))
     return path
+
+
+def with_todays_imports(source: str) -> str:
+    """A kernel file from before the kernels were grouped by role (64401d1), with its
+    imports pointed at where each module is now, so it loads beside today's tree."""
+    src = ROOT / "src" / "strata_nb"
+    moved = {f"strata_nb.kernels.{p.stem}": ".".join(p.relative_to(src.parent).with_suffix("").parts)
+             for p in list(src.glob("kernels/*/*.py")) + list(src.glob("gpu/*.py")) if p.stem != "__init__"}
+    moved["strata_nb.kv.formats"] = "strata_nb.kv_layout"
+    return re.sub(r"strata_nb\.(?:kernels\.\w+|kv\.formats)\b", lambda m: moved.get(m.group(0), m.group(0)), source)
 
 
 def side_by_side(label: str, versions: dict, run, result, steps: int) -> None:
@@ -109,10 +124,11 @@ def attention_step_cases(versions: dict) -> None:
                          rerun_and_read(run, out), 30)
 
 
-def attention_cases(versions: dict) -> None:
+def attention_prefill_cases(versions: dict) -> None:
     from numba import cuda
 
     import kernel_bench as kb
+    import strata_nb.kernels.attention.attention as at
     from strata_nb.kv_layout import all_blocks_upto
 
     page_table = cuda.to_device(np.arange(kb.N_BLOCKS, dtype=np.int32))
@@ -124,19 +140,25 @@ def attention_cases(versions: dict) -> None:
             out = cuda.device_array((n_q, 9, 64), np.float32)
 
             def run(module):
-                module.attention(fmt, q, pos, all_blocks_upto(pos), page_table, kv, None, out)
+                at.attention_prompt = module.attention_prompt  # the launcher attention() calls
+                at.attention(fmt, q, pos, all_blocks_upto(pos), page_table, kv, None, out)
             side_by_side(f"{fmt}, a prompt chunk of {n_q} ending at {end} (us, with its combine)", versions,
                          run, rerun_and_read(run, out), 3)
 
 
-def matvec_cases(versions: dict) -> None:
+def matvec_fused_cases(versions: dict) -> None:
     from numba import cuda
 
     import kernel_bench as kb
+    import strata_nb.kernels.dense.matvec as mv
+    from strata_nb.kernels.dense.gguf_rows import row_bytes
 
-    any_version = next(iter(versions.values()))
+    def matvec(module, *args, **kw):
+        mv.MATVEC_KERNELS = module.MATVEC_KERNELS  # the table the launcher picks from
+        mv.matvec(*args, **kw)
+
     for name, (qtype, n_out, n_in, kind) in kb.MATVEC_SHAPES.items():
-        w = cuda.to_device(kb.rng.integers(0, 64, (n_out, any_version.row_bytes(qtype, n_in)), dtype=np.uint8))
+        w = cuda.to_device(kb.rng.integers(0, 64, (n_out, row_bytes(qtype, n_in)), dtype=np.uint8))
         x = cuda.to_device(kb.rng.standard_normal((1, 2 * n_in if kind == "gated" else n_in)).astype(np.float32))
         norm = cuda.to_device(np.ones(n_in, np.float32))
         y = cuda.device_array((1, n_out), np.float32)
@@ -144,10 +166,10 @@ def matvec_cases(versions: dict) -> None:
 
         def result(module):  # one product into zeros: the timed runs keep adding to y
             fresh = cuda.to_device(np.zeros((1, n_out), np.float32))
-            module.matvec(x, w, qtype, fresh, **kw)
+            matvec(module, x, w, qtype, fresh, **kw)
             return fresh.copy_to_host()
         side_by_side(f"matvec {name} ({n_out} x {n_in} {qtype}, {kind}) (us)", versions,
-                     lambda m: m.matvec(x, w, qtype, y, **kw), result, 50)
+                     lambda m: matvec(m, x, w, qtype, y, **kw), result, 50)
 
 
 def argmax_cases(versions: dict) -> None:
@@ -163,8 +185,10 @@ def argmax_cases(versions: dict) -> None:
     side_by_side("argmax of 49,152 logits (us)", versions, run, rerun_and_read(run, out), 50)
 
 
-CASES = {"attention_step": attention_step_cases, "attention": attention_cases, "matvec": matvec_cases,
-         "argmax": argmax_cases}
+FILES = {"attention_step": "attention/attention_step.py", "attention_prefill": "attention/attention_prefill.py",
+         "matvec_fused": "dense/matvec_fused.py", "argmax": "step/argmax.py"}
+CASES = {"attention_step": attention_step_cases, "attention_prefill": attention_prefill_cases,
+         "matvec_fused": matvec_fused_cases, "argmax": argmax_cases}
 
 
 def main(argv: list[str]) -> int:
@@ -175,7 +199,7 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         old = old_source(module, against, Path(tmp))
         versions = {against: load(f"{module}_ab0", old),
-                    "working tree": load(f"{module}_ab1", ROOT / "src/strata_nb/kernels" / f"{module}.py")}
+                    "working tree": load(f"{module}_ab1", ROOT / "src/strata_nb/kernels" / FILES[module])}
         CASES[module](versions)
     return 0
 

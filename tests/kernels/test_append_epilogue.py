@@ -1,4 +1,4 @@
-"""The KV append in the q|k|v matvec's epilogue (kernels/dense/matvec.py, "Appending in the
+"""The KV append in the q|k|v matvec's epilogue (kernels/dense/matvec_fused.py, "Appending in the
 epilogue"): a decode step's fp16/fp32 cells written by the product that makes them,
 through the one writer's device body (kv_append_fp16.store_cell).
 

@@ -171,7 +171,7 @@ class CudaBackend:
     # A step (<= 8 rows) runs each of these as one matvec launch with the norm, the gate or
     # the add fused in; a prompt chunk runs the separate kernels, as NumpyBackend composes them.
     # `ahead`: the matrix the step multiplies next. The matvec's threads read it into L2
-    # while they work (kernels/dense/matvec.py: reading ahead), so the next launch finds it there.
+    # while they work (kernels/dense/matvec_fused.py: reading ahead), so the next launch finds it there.
     def normed_matmul(self, x, norm, eps: float, w: DeviceMatrix, ahead: DeviceMatrix | None = None):
         if x.shape[0] > matvec.MAX_ROWS:
             return self.matmul(self.rmsnorm(x, norm, eps), w)

@@ -3,7 +3,7 @@ dequantized on the way) and the RoPE cos/sin rows of each position (a float32 ta
 
 The default model's token_embd is Q8_0, 49152 x 576, and is also its output head, so it
 stays quantized on the device (30 MiB rather than 108 MiB) and a lookup dequantizes only
-the rows it gathers, with matvec.py's dequantizers: one thread per (row, part of a
+the rows it gathers, with gguf_rows.py's dequantizers: one thread per (row, part of a
 32-value block), 8 values each. A float32 table is a plain copy, one thread per value.
 
 Dequantization is exact in float32 and a copy is a copy, so the kernels equal the

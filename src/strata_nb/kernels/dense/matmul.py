@@ -7,7 +7,7 @@ matvec would read W n/8 times; here a thread block computes a 64 x 64 tile of y 
 of W against 64 rows of x) and walks `in` one quantization block (32 values) at a time:
 
 1. its 256 threads dequantize the tile's 64 weight rows x 32 values into shared memory,
-   one part of 8 values each, with matvec's dequantizers: each weight is read from
+   one part of 8 values each, with gguf_rows.py's dequantizers: each weight is read from
    global memory once per 64 rows of x, not once per row;
 2. they load the matching 64 x 32 values of x the same way, neighbouring threads on
    neighbouring values (coalesced);
