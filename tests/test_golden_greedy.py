@@ -12,7 +12,7 @@ import pytest
 
 from strata_nb.settings import SamplingSettings
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.model, pytest.mark.slow]  # the 30-layer model on the CPU: a minute or more
 
 GOLDEN = [
     ('What is the capital of France?',

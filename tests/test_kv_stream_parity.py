@@ -13,6 +13,8 @@ from strata_nb.backend.numpy_backend import NumpyBackend
 from strata_nb.kv_layout import FORMATS
 from stream_harness import assert_bitwise_equal, check_stream_state, synthetic_decode
 
+pytestmark = pytest.mark.slow  # 4,100 cells per format and budget on the CPU: minutes
+
 BE = NumpyBackend()
 SIZE = dict(n_cells=4100, prompt_cells=3840, chunk=256)
 STREAMED = dict(kv_resident=64 + 64, kv_window=64)  # the minimum: ring of 4 blocks + 4 pool slots
