@@ -4,7 +4,7 @@ so the choice is made here, before any test module imports numba.
 STRATA_NB_GPU=1 runs the same kernel tests on a real GPU (larger shapes); otherwise the
 simulator runs them on the CPU with small shapes.
 
-Two tiers. `python -m pytest -q` runs the default tier, a few minutes on a laptop; it
+Two tiers. `python -m pytest -q` runs the default tier, minutes on two CPU cores; it
 leaves out the tests marked `sim_engine` (the whole engine under the simulator, where every
 CUDA thread is a Python thread: minutes each on a CPU, seconds on a GPU) and `slow`.
 STRATA_NB_TESTS=all runs every test, as CI does (.ci/run); STRATA_NB_GPU=1 runs the
@@ -93,24 +93,27 @@ def tiny_model(tmp_path_factory):
 
 
 # ---- the default tier, and the test that runs last ----------------------------------------
+LEFT_OUT = pytest.StashKey[int]()  # how many tests the default tier left out of this run
+
+
 def left_out(item, named: set[Path]) -> bool:
     """Whether the default tier leaves this test out (see the module docstring)."""
-    if ALL_TIERS or item.path in named:
+    if ALL_TIERS or item.path.resolve() in named:
         return False
     return item.get_closest_marker("slow") is not None or (
         item.get_closest_marker("sim_engine") is not None and not ON_GPU)
 
 
 def pytest_collection_modifyitems(config, items):
-    named = {(config.invocation_params.dir / arg.split("::")[0]).resolve() for arg in config.args}
     if not config.option.markexpr:  # a -m expression picks the tests itself
+        named = {(config.invocation_params.dir / arg.split("::")[0]).resolve() for arg in config.args}
         out = [item for item in items if left_out(item, named)]
         if out:
             config.hook.pytest_deselected(items=out)
-            items[:] = [item for item in items if not left_out(item, named)]
+            items[:] = [item for item in items if item not in out]
             config.stash[LEFT_OUT] = len(out)
     # `last` tests run after every other: the PTX check compiles each kernel the session ran
-    items.sort(key=lambda item: item.get_closest_marker("last") is not None)  # stable
+    items.sort(key=lambda item: item.get_closest_marker("last") is not None)  # a stable sort
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -118,9 +121,6 @@ def pytest_terminal_summary(terminalreporter):
     if n:
         terminalreporter.write_line(f"default tier: {n} tests marked slow or sim_engine left out; "
                                     "STRATA_NB_TESTS=all python -m pytest -q runs every test (as CI does)")
-
-
-LEFT_OUT = pytest.StashKey[int]()
 
 
 # ---- PTX for sm_90: every kernel the simulator ran, compiled for the GPU ----------------
