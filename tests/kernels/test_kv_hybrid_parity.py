@@ -9,6 +9,8 @@ from strata_nb.kernels.kv.block_bounds import block_bounds_ref
 from strata_nb.kernels.kv.kv_append_k8v4 import kv_append_k8v4, kv_append_k8v4_ref
 from strata_nb.kv_layout import BLOCK, pool_arrays
 
+pytestmark = pytest.mark.slow  # each test ~15 s under the simulator: a minute and a half in all
+
 N_KV, HEAD_DIM = 3, 64
 N_BLOCKS, N_SLOTS = 4, 2
 PAGE_TABLE = np.array([0, -1, 1, -1], np.int32)  # blocks 1 and 3 are streamed out
