@@ -17,7 +17,7 @@ import numpy as np
 from numba import cuda
 
 from ..errors import StrataError
-from ..kernels.dense import embed, matmul, matvec, residual, rmsnorm, rope, swiglu
+from ..kernels.dense import embed, gguf_rows, matmul, matvec, residual, rmsnorm, rope, swiglu
 from ..gpu.launch import device_empty
 from ..model.dequant import dequantize
 
@@ -119,10 +119,10 @@ class CudaBackend:
             raise StrataError("tensors fused into one matrix must share a type: "
                               + ", ".join(f"{t.name} is {t.qtype}" for t in qtensors))
         qtype = qtypes.pop()
-        if qtype not in matvec.QTYPES:
-            raise StrataError(f"{qtensors[0].name} is {qtype}; the cuda backend reads {', '.join(matvec.QTYPES)}")
+        if qtype not in gguf_rows.QTYPES:
+            raise StrataError(f"{qtensors[0].name} is {qtype}; the cuda backend reads {', '.join(gguf_rows.QTYPES)}")
         raw = np.concatenate([np.ascontiguousarray(t.raw) for t in qtensors], axis=0)
-        return DeviceMatrix(qtype, (raw.shape[0], matvec.row_values(qtype, raw.shape[1])), cuda.to_device(raw))
+        return DeviceMatrix(qtype, (raw.shape[0], gguf_rows.row_values(qtype, raw.shape[1])), cuda.to_device(raw))
 
     def vector(self, qtensor):
         return cuda.to_device(np.ascontiguousarray(dequantize(qtensor.raw, qtensor.qtype).reshape(-1)))

@@ -47,7 +47,7 @@ def embed_rows_kernel(table,  # (rows, d) float32
 
 def make_embed_kernel(part, nibbles):
     @cuda.jit
-    def embed_kernel(a,    # (rows, *) view a of the table's GGUF rows (matvec.QTYPES)
+    def embed_kernel(a,    # (rows, *) view a of the table's GGUF rows (gguf_rows.QTYPES)
                      b,    # (rows, *) view b of the same bytes
                      ids,  # (n,) int32
                      out):  # (n, d) float32, written

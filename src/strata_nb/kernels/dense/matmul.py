@@ -64,7 +64,7 @@ def matmul_ref(x,      # (n, in) float32
 def make_matmul_kernel(part, nibbles):
     @cuda.jit
     def matmul_kernel(x,  # (n, in) float32
-                      a,  # (out, *) view a of W's rows (matvec.QTYPES)
+                      a,  # (out, *) view a of W's rows (gguf_rows.QTYPES)
                       b,  # (out, *) view b of the same bytes
                       y):  # (n, out) float32, written
         tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
