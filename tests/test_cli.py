@@ -135,6 +135,7 @@ def test_a_prompt_of_several_chunks_shows_prefill_progress_on_stderr_only(tiny_m
     ({}, lambda eng: list(eng.generate("hi", max_tokens=0)), "max_tokens must be at least 1, got 0"),
     ({}, lambda eng: list(eng.generate("hi", top_p=0.0)), "top_p must be in (0, 1], got 0.0"),
     ({"kv_window": 10}, None, "kv_window must be a positive multiple of 16 cells, got 10"),
+    ({"device": "tpu"}, None, "device 'tpu' is not one of auto, cpu, cuda"),
     ({"max_context": 16}, lambda eng: eng.prompt_ids("x" * 40, chat=False),
      "max_context 16 does not fit the prompt's 40 tokens"),
 ])

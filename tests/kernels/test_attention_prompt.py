@@ -3,6 +3,7 @@ against the reference: a prompt chunk's selection as rows and as one shared row,
 output rotated back, and when queries may share a thread block (tile_for). The step
 kernel and the reference are tested in test_attention.py."""
 import numpy as np
+import pytest
 
 from attention_cases import HEAD_DIM, N_HEADS, N_KV, PAGE_TABLE, WRITTEN, check_rotate_out, filled_cache, queries, run
 from strata_nb.kernels.attention.attention import ATOL, RTOL, attention, attention_ref
@@ -14,6 +15,8 @@ def test_rotate_out_after_the_combine():
     check_rotate_out(tile=5)
 
 
+@pytest.mark.slow  # two formats over 13 queries: a minute under the simulator (the default tier's
+# prompt-kernel check is test_rotate_out_after_the_combine)
 def test_prompt_chunk_in_tiles():
     """A prompt chunk's selection, as each query's row (all_blocks_upto: its blocks so far,
     -1 after) and as one row every query shares (shared_blocks_upto, what the cache sends:

@@ -9,7 +9,9 @@ from strata_nb.kernels.kv.block_bounds import block_bounds_ref
 from strata_nb.kernels.kv.kv_append_k8v4 import kv_append_k8v4, kv_append_k8v4_ref
 from strata_nb.kv_layout import BLOCK, pool_arrays
 
-pytestmark = pytest.mark.slow  # each test ~15 s under the simulator: a minute and a half in all
+# Each test takes seconds under the simulator. The default tier keeps the kernel against its
+# reference and the negative control (the #1188 class: an unfolded V half loses the host
+# copy of V); the slow tier adds the device-pool, bounds and absent-host cases.
 
 N_KV, HEAD_DIM = 3, 64
 N_BLOCKS, N_SLOTS = 4, 2
@@ -84,6 +86,7 @@ def test_folded_halves_kernel_matches_ref():
         assert host_gpu["k_s"][b, :, c].all() and host_gpu["v_q4"][b, :, c].any()
 
 
+@pytest.mark.slow
 def test_folded_halves_on_device_pool_and_mapped_host():
     pool_ref, host_ref, _ = append_windows(kv_append_k8v4_ref)
     assert_parity(pool_ref, host_ref, *append_windows(kv_append_k8v4, on_device=True)[:2])
@@ -109,6 +112,7 @@ def test_unfolded_v_half_loses_the_host_copy_of_v():
 # --8<-- [end:kv_hybrid_parity]
 
 
+@pytest.mark.slow
 def test_bounds_in_the_append_launch():
     """With QSA the launch also keeps K's block bounds: the same bytes as block_bounds_ref
     after the append, and the append's own bytes unchanged."""
@@ -128,12 +132,14 @@ def test_bounds_in_the_append_launch():
     assert (got[1] >= got[0]).all() and (got[1] > got[0]).mean() > 0.9  # the windows widened them
 
 
+@pytest.mark.slow
 def test_ref_reproduces_the_unfolded_fault():
     """The numpy backend runs the references, so they must lose V the same way."""
     assert_parity(*append_windows(kv_append_k8v4_ref, fold_v_half=False)[:2],
                   *append_windows(kv_append_k8v4, fold_v_half=False)[:2])
 
 
+@pytest.mark.slow
 def test_absent_host_writes_only_the_pool():
     pool_with_host, _, _ = append_windows(kv_append_k8v4_ref)
     for append in (kv_append_k8v4_ref, kv_append_k8v4):

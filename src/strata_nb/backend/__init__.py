@@ -9,7 +9,7 @@ far too slow to choose by default.
 """
 from __future__ import annotations
 
-from ..errors import StrataError
+from ..errors import SettingError
 
 
 def gpu_present() -> bool:
@@ -23,8 +23,8 @@ def get_backend(device: str):
     from numba import config, cuda
 
     if device == "cuda" and not (config.ENABLE_CUDASIM or cuda.is_available()):
-        raise StrataError("--device cuda needs an NVIDIA GPU with a working driver, and none was found; "
-                          "use --device cpu (or NUMBA_ENABLE_CUDASIM=1 to simulate one)")
+        raise SettingError("device", "is cuda, which needs an NVIDIA GPU with a working driver, and none was found; "
+                                     "use cpu (or NUMBA_ENABLE_CUDASIM=1 to simulate one)")
     if device == "cuda" or (device == "auto" and gpu_present()):
         from .cuda_backend import CudaBackend
 
@@ -33,4 +33,4 @@ def get_backend(device: str):
         from .numpy_backend import NumpyBackend
 
         return NumpyBackend()
-    raise StrataError(f"--device {device!r} is not one of auto, cpu, cuda")
+    raise SettingError("device", f"{device!r} is not one of auto, cpu, cuda")
