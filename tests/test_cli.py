@@ -143,7 +143,7 @@ def test_api_errors_name_the_parameter_not_the_flag(load, call, message, tiny_mo
     from strata_nb import Engine
 
     with pytest.raises(StrataError) as err:
-        call(Engine.load(model=tiny_model, device="cpu", **load))
+        call(Engine.load(model=tiny_model, **({"device": "cpu"} | load)))
     assert str(err.value).startswith(message) and "--" not in str(err.value)
 
 
