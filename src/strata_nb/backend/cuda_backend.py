@@ -73,10 +73,14 @@ class CudaBackend:
         """The step kernels are compiled for a range of shapes (head_dim, query heads per KV
         head, and KV heads for QSA's scores), and a step's merge holds a bounded number of
         splits: a model or a context outside them stops here, with the range, and not at
-        its first launch."""
+        its first launch. A mixture-of-experts model stops here too: its FFN has only the
+        NumPy reference (kernels/dense/moe.py)."""
         from ..kernels.attention import attention_step
         from ..kernels.step import block_scores
 
+        if getattr(cfg, "n_expert", 0):  # a ModelConfig has it; tests of the head checks pass only the heads
+            raise StrataError("the cuda backend has no expert kernels yet; use --device cpu "
+                              f"(this model is a mixture of {cfg.n_expert} experts)")
         group = cfg.n_heads // cfg.n_kv_heads
         if cfg.head_dim not in attention_step.HEAD_DIMS or group > attention_step.MAX_GROUP:
             raise StrataError(f"the cuda backend's attention is built for head_dim in {attention_step.HEAD_DIMS} "

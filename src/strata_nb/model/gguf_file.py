@@ -32,12 +32,20 @@ class ModelConfig:
     rms_eps: float
     vocab_size: int
     context_length: int  # trained context (8192)
+    n_expert: int = 0  # experts per FFN (llama.expert_count); 0 = a dense FFN
+    n_expert_used: int = 0  # experts each token is routed to, k (llama.expert_used_count)
 
     def __post_init__(self):
         if self.n_heads % self.n_kv_heads:
             raise StrataError(f"{self.n_heads} query heads do not split into {self.n_kv_heads} KV groups")
         if self.head_dim % 64:
             raise StrataError(f"head_dim {self.head_dim} is not a multiple of 64 (the rotation width)")
+        if self.n_expert and not 1 <= self.n_expert_used <= self.n_expert:
+            raise StrataError(f"the model routes each token to {self.n_expert_used} of {self.n_expert} experts "
+                              "(llama.expert_used_count must be 1 .. llama.expert_count)")
+        if not self.n_expert and self.n_expert_used:
+            raise StrataError(f"the model sets llama.expert_used_count to {self.n_expert_used} "
+                              "but has no llama.expert_count")
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,18 +152,39 @@ class GGUFModel:
             rms_eps=float(a("attention.layer_norm_rms_epsilon", 1e-5)),
             vocab_size=vocab,
             context_length=int(a("context_length", 2048)),
+            n_expert=int(a("expert_count", 0)),
+            n_expert_used=int(a("expert_used_count", 0)),
         )
 
-    def tensor(self, name: str) -> QTensor:
+    def tensor(self, name: str, shape: tuple[int, int] | None = None) -> QTensor:
+        """A 1-D or 2-D tensor as (out, in) rows; `shape`, when given, is the one it must have."""
+        t = self._info(name)
+        got = tuple(int(n) for n in reversed(t.shape.tolist()))  # ggml ne is (in, out)
+        if len(got) == 1:
+            got = (1, got[0])
+        if shape is not None and got != tuple(shape):
+            raise StrataError(f"tensor {name} has shape {got}; this model needs {tuple(shape)}")
+        raw = np.asarray(t.data).view(np.uint8).reshape(got[0], -1)
+        return QTensor(name, t.tensor_type.name, got, raw)
+
+    # --8<-- [start:experts]
+    def experts(self, name: str, n_expert: int, rows: int, cols: int) -> list[QTensor]:
+        """A 3-D expert tensor, ggml ne (cols, rows, n_expert) as llama.cpp lays it out, as
+        n_expert QTensors of (rows, cols): expert e's matrix, a view of the memory map."""
+        t = self._info(name)
+        got = tuple(int(n) for n in reversed(t.shape.tolist()))  # (n_expert, rows, cols)
+        if got != (n_expert, rows, cols):
+            raise StrataError(f"tensor {name} has shape {got}; this model's experts need "
+                              f"(experts, rows, cols) = {(n_expert, rows, cols)}")
+        raw = np.asarray(t.data).view(np.uint8).reshape(n_expert, rows, -1)  # (E, rows, bytes_per_row)
+        return [QTensor(f"{name}[{e}]", t.tensor_type.name, (rows, cols), raw[e]) for e in range(n_expert)]
+    # --8<-- [end:experts]
+
+    def _info(self, name: str):
         t = self.tensors.get(name)
         if t is None:
             raise StrataError(f"{self.path.name} lacks tensor {name!r}")
-        raw = t.data
-        shape = tuple(int(n) for n in reversed(t.shape.tolist()))  # ggml ne is (in, out)
-        if len(shape) == 1:
-            shape = (1, shape[0])
-        raw = np.asarray(raw).view(np.uint8).reshape(shape[0], -1)
-        return QTensor(name, t.tensor_type.name, shape, raw)
+        return t
 
     def has(self, name: str) -> bool:
         return name in self.tensors

@@ -1,6 +1,8 @@
 """The model's weights, placed on a backend in the form its ops want.
 
 q|k|v and gate|up are stacked by rows so a layer's projections are two matmuls, not five.
+A mixture-of-experts layer (cfg.n_expert > 0) has no dense FFN: a router and E experts,
+each a gate|up matrix and a down matrix of its own (kernels/dense/moe.py runs them).
 """
 from __future__ import annotations
 
@@ -17,8 +19,11 @@ class LayerWeights:
     wqkv: object  # (n_heads*hd + 2*n_kv*hd, d): q rows, then k rows, then v rows
     wo: object  # (d, n_heads*hd)
     ffn_norm: object  # (d,) float32
-    wgate_up: object  # (2*ff, d): gate rows, then up rows
-    wdown: object  # (d, ff)
+    wgate_up: object = None  # (2*ff, d): gate rows, then up rows (None in an MoE layer)
+    wdown: object = None  # (d, ff)
+    router: object = None  # (E, d) float32: one logit per expert (None in a dense layer)
+    experts_gate_up: list | None = None  # E matrices (2*ff_e, d): expert e's gate rows, then its up rows
+    experts_down: list | None = None  # E matrices (d, ff_e)
 
 
 @dataclass(slots=True)
@@ -53,17 +58,33 @@ def load_weights(be, model: GGUFModel) -> ModelWeights:
     layers = []
     for i in range(cfg.n_layers):
         p = f"blk.{i}."
+        ffn = _experts(be, model, p) if cfg.n_expert else dict(
+            wgate_up=be.matrix(t(p + "ffn_gate.weight"), t(p + "ffn_up.weight")),
+            wdown=be.matrix(t(p + "ffn_down.weight")))
         layers.append(LayerWeights(
             attn_norm=be.vector(t(p + "attn_norm.weight")),
             wqkv=be.matrix(t(p + "attn_q.weight"), t(p + "attn_k.weight"), t(p + "attn_v.weight")),
             wo=be.matrix(t(p + "attn_output.weight")),
             ffn_norm=be.vector(t(p + "ffn_norm.weight")),
-            wgate_up=be.matrix(t(p + "ffn_gate.weight"), t(p + "ffn_up.weight")),
-            wdown=be.matrix(t(p + "ffn_down.weight")),
+            **ffn,
         ))
     embd = be.matrix(t("token_embd.weight"))
     output = be.matrix(t("output.weight")) if model.has("output.weight") else embd  # tied
     cos, sin = rope_tables(cfg, cfg.context_length)  # every position the model was trained for
     return ModelWeights(cfg, embd, output, be.vector(t("output_norm.weight")), layers,
                         be.asarray(cos), be.asarray(sin))
+
+
+def _experts(be, model: GGUFModel, p: str) -> dict:
+    """An MoE layer's FFN, as llama.cpp stores it: the router ffn_gate_inp (E, d) and the 3-D
+    ffn_gate_exps, ffn_up_exps (E, ff_e, d) and ffn_down_exps (E, d, ff_e), where the
+    model's feed_forward_length is ff_e, one expert's width."""
+    cfg = model.config
+    e, d, ff = cfg.n_expert, cfg.d_model, cfg.d_ff
+    gates = model.experts(p + "ffn_gate_exps.weight", e, ff, d)
+    ups = model.experts(p + "ffn_up_exps.weight", e, ff, d)
+    downs = model.experts(p + "ffn_down_exps.weight", e, d, ff)
+    return dict(router=be.matrix(model.tensor(p + "ffn_gate_inp.weight", shape=(e, d))),
+                experts_gate_up=[be.matrix(g, u) for g, u in zip(gates, ups)],
+                experts_down=[be.matrix(down) for down in downs])
 # --8<-- [end:load_weights]
