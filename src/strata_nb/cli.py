@@ -315,6 +315,29 @@ def _device_name(be) -> str:
 
 
 @cli.command()
+@click.option("--model", type=click.Path(dir_okay=False), default=None,
+              help="Dense llama GGUF to start from (default: the default model).")
+@click.option("--kind", type=click.Choice(["split", "copies"]), default="split", show_default=True,
+              help="split: expert e owns FFN columns [e ff/E, (e+1) ff/E), down scaled by E; "
+                   "copies: every expert is the whole dense FFN.")
+@click.option("--experts", type=int, default=8, show_default=True, help="E, experts per layer.")
+@click.option("--used", type=int, default=None,
+              help="K, experts each token takes (default: E for split, the exact oracle; 2 for copies).")
+@click.option("--router", type=click.Choice(["zero", "random"]), default=None,
+              help="Router weights (default: zero when K = E, else random).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random router.")
+@click.option("--out", type=click.Path(dir_okay=False), default=None,
+              help="File to write (default: <model>-<kind>-e<E>k<K>.gguf in the current folder).")
+def moefy(model, kind, experts, used, router, seed, out):
+    """Write a mixture-of-experts GGUF (llama.cpp's layout) from a dense one, byte for byte."""
+    from .model.fetch import ensure_default_model
+    from .model.moefy import moefy as write_moe
+
+    path = write_moe(model or ensure_default_model(), out, kind, experts, used, router, seed)
+    click.echo(f"{path} ({path.stat().st_size / 2**20:.1f} MiB)")
+
+
+@cli.command()
 def fetch():
     """Download the default model into the cache (STRATA_NB_HOME or the user cache dir)."""
     from .model.fetch import fetch as fetch_model
