@@ -23,7 +23,7 @@ from strata_nb.backend import get_backend
 from strata_nb.backend.cuda_backend import CudaBackend, DeviceMatrix
 from strata_nb.backend.numpy_backend import NumpyBackend
 from strata_nb.engine.engine import Engine
-from strata_nb.errors import StrataError
+from strata_nb.errors import SettingError, StrataError
 from strata_nb.model.gguf_file import GGUFModel, QTensor
 from strata_nb.settings import Settings
 
@@ -93,8 +93,9 @@ def test_get_backend_picks_cuda_only_where_it_runs(monkeypatch):
     assert isinstance(get_backend("auto"), CudaBackend if ON_GPU else NumpyBackend)  # never the simulator
     monkeypatch.setattr(config, "ENABLE_CUDASIM", False)
     monkeypatch.setattr(numba.cuda, "is_available", lambda: False)  # a machine with no GPU
-    with pytest.raises(StrataError, match="--device cuda needs an NVIDIA GPU"):
+    with pytest.raises(SettingError, match="^device is cuda, which needs an NVIDIA GPU") as err:
         get_backend("cuda")
+    assert err.value.flag == "--device"  # what the CLI names
     assert isinstance(get_backend("auto"), NumpyBackend)
 
 
