@@ -19,6 +19,7 @@ from strata_nb.engine.decode_step import PICK_RING
 from strata_nb.engine.engine import Engine
 from strata_nb.errors import StrataError
 from strata_nb.gpu.launch import stream
+from strata_nb.kernels.step.advance_step import advance_step
 from strata_nb.model.gguf_file import GGUFModel
 from strata_nb.settings import SamplingSettings, Settings
 
@@ -59,7 +60,7 @@ def step(eng):
 
     def launch():
         stand_in_kernel[1, 1, stream()](s.token, s.pos)
-        s.be.op("advance_step")(s.token, s.pos, s.chosen)
+        advance_step(s.token, s.pos, s.chosen)
         return s.token  # as logits: the step's output array
 
     def counted_queue():  # launched, or replayed from the graph
@@ -116,7 +117,7 @@ def test_generate_stops_with_a_step_queued_past_the_stop(eng, step):
     prompt, first = [3 + ord(c) for c in "ab"], 40
     t1, t2, t3 = expected(first, len(prompt), 3)
     assert t2 not in (first, t1)  # the stand-in's sequence, fixed by the constants above
-    eng.prefill = lambda ids: np.eye(VOCAB, dtype=np.float32)[first]
+    eng.prefill = lambda ids, on_chunk=None: np.eye(VOCAB, dtype=np.float32)[first]
     eng.device_step = lambda *args: step
     eng.tokenizer.stop_ids = set(eng.tokenizer.stop_ids) | {t2}
     try:
