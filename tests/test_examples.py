@@ -27,6 +27,7 @@ EXAMPLES = {
     "ring_restore.py": ([], "host copy == snapshot", False),
     "generate.py": (["--max-tokens", "8", "--max-context", "512"], "generated 8 tokens", True),
     "fault_lab.py": (["--chars", "2000", "--kv-window", "64", "--max-tokens", "12"], "outputs identical: False", True),
+    "moe_oracle.py": ([], "16 greedy tokens agree: True", False),
 }
 
 
