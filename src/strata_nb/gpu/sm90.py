@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REGISTERS_PER_SM = 65536
@@ -207,14 +208,26 @@ _CHILD = textwrap.dedent('''
 ''')
 
 
-def compile_recorded(launches: dict, binary: str | None) -> tuple[list[str], list[dict]]:
+def compile_recorded(launches: dict, binary: str | None, workers: int = 2) -> tuple[list[str], list[dict]]:
     """(failures, rows): each recorded kernel compiled for sm_90 in a process without the
-    simulator; a row per (kernel, signature) with ptxas's numbers when `binary` is set."""
+    simulator; a row per (kernel, signature) with ptxas's numbers when `binary` is set.
+    Compiling is CPU-bound and a process compiles one kernel at a time, so `workers`
+    processes take a share each."""
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
     todo = [[m, q, line, made_from, sorted(sigs)] for (m, q, line, made_from), sigs in launches.items()]
-    run = subprocess.run([sys.executable, "-c", _CHILD], input=json.dumps([todo, binary]), capture_output=True,
-                         text=True, env=env, timeout=1500)
-    if run.returncode != 0:
-        raise RuntimeError(run.stderr[-3000:])
-    failures, rows = json.loads(run.stdout.strip().splitlines()[-1])
+    shares = [share for share in (todo[i::workers] for i in range(workers)) if share]
+
+    def compile_share(share):
+        return subprocess.run([sys.executable, "-c", _CHILD], input=json.dumps([share, binary]), capture_output=True,
+                              text=True, env=env, timeout=1500)
+
+    with ThreadPoolExecutor(max(1, len(shares))) as pool:
+        runs = list(pool.map(compile_share, shares))
+    failures, rows = [], []
+    for run in runs:
+        if run.returncode != 0:
+            raise RuntimeError(run.stderr[-3000:])
+        share_failures, share_rows = json.loads(run.stdout.strip().splitlines()[-1])
+        failures += share_failures
+        rows += share_rows
     return failures, rows
