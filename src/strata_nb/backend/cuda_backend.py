@@ -78,7 +78,7 @@ class CudaBackend:
         from ..kernels.attention import attention_step
         from ..kernels.step import block_scores
 
-        if getattr(cfg, "n_expert", 0):  # a ModelConfig has it; tests of the head checks pass only the heads
+        if cfg.n_expert:
             raise StrataError("the cuda backend has no expert kernels yet; use --device cpu "
                               f"(this model is a mixture of {cfg.n_expert} experts)")
         group = cfg.n_heads // cfg.n_kv_heads
