@@ -6,13 +6,19 @@ float32 forward up to summation order, so our logits with the float32 reference 
 match within 1e-3 (measured: ~7e-5). llama.cpp on the Q4_1 file itself quantizes the
 activations to 8 bits inside its matmuls, so there only the ranking is compared.
 """
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-FIXTURES = Path(__file__).parent / "fixtures"
-pytestmark = pytest.mark.model
+from strata_nb.model.dequant import dequantize
+from strata_nb.model.gguf_file import GGUFModel
+from strata_nb.model.moefy import moefy
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = ROOT / "tests" / "fixtures"
 
 
 def _texts(name):
@@ -27,6 +33,7 @@ def fp32_logits(engine_for):
     return [eng.score(ids) for ids, *_ in _texts("llama_f32_logits.npz")]
 
 
+@pytest.mark.model
 def test_matches_llama_cpp_f32_within_1e_3(fp32_logits):
     n = agree = 0
     for ours, (ids, top_ids, top_logits, full_pos, full) in zip(fp32_logits, _texts("llama_f32_logits.npz")):
@@ -39,6 +46,7 @@ def test_matches_llama_cpp_f32_within_1e_3(fp32_logits):
     assert agree / n >= 0.995
 
 
+@pytest.mark.model
 def test_ranking_agrees_with_llama_cpp_q4_1(fp32_logits):
     """llama.cpp's own F32 and Q4_1 runs agree on 98.5% of top-1 here; we ask >= 95%."""
     n = agree = 0
@@ -46,3 +54,36 @@ def test_ranking_agrees_with_llama_cpp_q4_1(fp32_logits):
         n += len(ids)
         agree += int((ours.argmax(1) == top_ids[:, 0]).sum())
     assert agree / n >= 0.95
+
+
+def _values(model: GGUFModel, name: str) -> np.ndarray:
+    """A tensor's weights as float32, numpy (reversed ggml ne) order, read through the
+    loader: a 3-D expert tensor as its experts' matrices, anything else as rows."""
+    t = model.tensors[name]
+    ne = [int(n) for n in t.shape]
+    if len(ne) == 3:
+        return np.stack([dequantize(q.raw, q.qtype) for q in model.experts(name, ne[2], ne[1], ne[0])])
+    q = model.tensor(name)
+    return dequantize(q.raw, q.qtype).reshape(tuple(reversed(ne)))
+
+
+def test_f32_copy_of_an_moe_file_keeps_every_tensor(tiny_model, tmp_path):
+    """tools/write_f32_gguf.py makes the files llama.cpp's F32 fixtures come from: an MoE
+    file's 3-D expert tensors keep their ggml order (ne [d, ff, E] for gate and up, [ff, d, E]
+    for down) and its F32 router stays as it is, every weight equal to the quantized one."""
+    moe = moefy(tiny_model, tmp_path / "moe.gguf", "split", experts=2, used=1, router="random", seed=0)
+    f32 = tmp_path / "moe.F32.gguf"
+    subprocess.run([sys.executable, str(ROOT / "tools" / "write_f32_gguf.py"), str(moe), str(f32)],
+                   check=True, capture_output=True)
+    src, copy = GGUFModel(moe), GGUFModel(f32)
+    assert copy.config == src.config and src.config.n_expert == 2
+    assert copy.metadata("general.file_type") == 0  # ALL_F32
+    assert list(copy.tensors) == list(src.tensors)
+    d, ff = src.config.d_model, src.config.d_ff
+    ne = {n: [int(x) for x in t.shape] for n, t in src.tensors.items()}
+    assert ne["blk.0.ffn_gate_exps.weight"] == ne["blk.0.ffn_up_exps.weight"] == [d, ff, 2]
+    assert ne["blk.0.ffn_down_exps.weight"] == [ff, d, 2] and ne["blk.0.ffn_gate_inp.weight"] == [d, 2]
+    assert {t.tensor_type.name for t in src.tensors.values()} > {"F32"}  # something was dequantized
+    for name, t in copy.tensors.items():
+        assert t.tensor_type.name == "F32" and [int(x) for x in t.shape] == ne[name], name
+        np.testing.assert_array_equal(_values(copy, name), _values(src, name), err_msg=name)

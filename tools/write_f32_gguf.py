@@ -8,7 +8,14 @@ included, e.g. tokenizer.ggml.tokens / token_type / merges; string values are
 copied as raw bytes so nothing is re-encoded).  Every tensor is dequantized
 with ``gguf.quants.dequantize`` and written as float32 under the same name and
 the same logical (ggml ``ne``) shape.  ``general.file_type`` is set to
-ALL_F32 (0).
+ALL_F32 (0), and added if the source lacks it.
+
+Mixture-of-experts files (``strata-nb moefy``, llama.cpp's layout) copy the same
+way: the router ``blk.N.ffn_gate_inp`` is already F32 (ne [d, E]), and the 3-D
+expert tensors ``ffn_gate_exps`` / ``ffn_up_exps`` (ne [d, ff, E]) and
+``ffn_down_exps`` (ne [ff, d, E]) dequantize row by row like any matrix, since
+every row of every expert is a whole run of quantization blocks.
+tests/test_llama_agreement.py checks a copy weight for weight.
 
 Shape note: ``GGUFReader`` reports ``tensor.shape`` in ggml order (ne0 first,
 ne0 = contiguous/row length) while ``tensor.data`` is a numpy array in the
@@ -62,6 +69,8 @@ def convert(src: str, dst: str) -> None:
         if name == "general.alignment":
             writer.data_alignment = int(val)
         writer.add_key_value(name, val, vtype, sub)
+    if "general.file_type" not in reader.fields:  # a file may leave it out; the copy says what it is
+        writer.add_file_type(int(gguf.LlamaFileType.ALL_F32))
 
     for t in reader.tensors:
         ne = [int(x) for x in t.shape]            # ggml order
