@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from strata_nb import Engine
-from strata_nb.kernels.dense.moe import moe_route_ref
+from strata_nb.kernels.experts.moe import moe_route_ref
 from strata_nb.model.moefy import moefy
 from strata_nb.model.synthetic import write_synthetic_gguf
 

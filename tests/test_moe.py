@@ -1,5 +1,5 @@
 """Mixture of experts on the numpy backend: `strata-nb moefy`'s files, the loader, and the
-reference MoE FFN (kernels/dense/moe.py), on tiny random-weight models.
+reference MoE FFN (kernels/experts/moe.py), on tiny random-weight models.
 
 The split file with K = E and a zero router is the exact oracle: every expert weighs 1/E
 and its down projection is scaled by E, so the layer computes the dense FFN's sums, only
@@ -16,7 +16,7 @@ import pytest
 from strata_nb import Engine
 from strata_nb.cli import main
 from strata_nb.errors import SettingError, StrataError
-from strata_nb.kernels.dense.moe import moe_route_ref
+from strata_nb.kernels.experts.moe import moe_route_ref
 from strata_nb.model.dequant import dequantize
 from strata_nb.model.gguf_file import GGUFModel
 from strata_nb.model.moefy import moefy

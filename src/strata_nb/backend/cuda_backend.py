@@ -74,7 +74,7 @@ class CudaBackend:
         head, and KV heads for QSA's scores), and a step's merge holds a bounded number of
         splits: a model or a context outside them stops here, with the range, and not at
         its first launch. A mixture-of-experts model stops here too: its FFN has only the
-        NumPy reference (kernels/dense/moe.py)."""
+        NumPy reference (kernels/experts/moe.py)."""
         from ..kernels.attention import attention_step
         from ..kernels.step import block_scores
 

@@ -10,7 +10,7 @@ import contextlib
 
 import numpy as np
 
-from ..kernels.dense.moe import moe_ffn_ref
+from ..kernels.experts.moe import moe_ffn_ref
 from ..kernels.dense.rmsnorm import rmsnorm_ref
 from ..kernels.dense.rope import rope_qkv_ref
 from ..kernels.dense.swiglu import swiglu_ref
@@ -126,6 +126,6 @@ class NumpyBackend:
         return self.add_(x, self.matmul(self.swiglu(gate_up), w))
 
     def moe_ffn_add_(self, x, norm, eps: float, router, experts_gate_up, experts_down, k: int):
-        # x += the FFN of an MoE layer: rmsnorm(x) routed to k of E experts (kernels/dense/moe.py)
+        # x += the FFN of an MoE layer: rmsnorm(x) routed to k of E experts (kernels/experts/moe.py)
         return moe_ffn_ref(x, self.rmsnorm(x, norm, eps), router, experts_gate_up, experts_down, k)
     # --8<-- [end:numpy_ops]

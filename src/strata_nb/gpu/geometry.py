@@ -27,6 +27,10 @@ MATMUL_TILE = on_gpu(64, simulator=16)  # rows of W and rows of x per thread blo
 MATMUL_SIDE = on_gpu(16, simulator=8)  # the thread block is SIDE x SIDE threads
 RMSNORM_THREADS = on_gpu(128, simulator=32)  # threads per row
 
+# ---- experts: kernels/experts/ ---------------------------------------------------------
+ROUTE_THREADS = on_gpu(128, simulator=64)  # threads of a token's router block: a warp per expert at a time
+EXPERT_WARPS = on_gpu(4, simulator=1)  # rows of an expert matrix per thread block, a warp each
+
 # ---- attention: kernels/attention/ -----------------------------------------------------
 PROMPT_TILE_ROWS = on_gpu(48, simulator=12)  # query rows of a prompt tile
 PROMPT_ROW_GROUPS = on_gpu(8, simulator=2)  # thread rows of a prompt tile

@@ -2,7 +2,7 @@
 
 q|k|v and gate|up are stacked by rows so a layer's projections are two matmuls, not five.
 A mixture-of-experts layer (cfg.n_expert > 0) has no dense FFN: a router and E experts,
-each a gate|up matrix and a down matrix of its own (kernels/dense/moe.py runs them).
+each a gate|up matrix and a down matrix of its own (kernels/experts/moe.py runs them).
 """
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .swiglu import swiglu_ref
+from strata_nb.kernels.dense.swiglu import swiglu_ref
 
 
 # --8<-- [start:moe_route_ref]

@@ -1,0 +1,124 @@
+"""The chosen experts' down products, weighted by the router and added to the residual:
+
+    x[t] += sum over r = 0 .. K-1 of weights[t, r] * (down_e . h[t, r]),   e = chosen[t, r]
+
+Index legend: T tokens, K experts a token, D model dim, F one expert's FFN width. An
+expert's down matrix is (D, F), as llama.cpp's ffn_down_exps holds it.
+
+One warp computes one output d of one token: for each of the token's K experts in turn
+(the router's order, most probable first) row d of its down matrix dotted with the
+expert's h row, weighted and summed, then added to x once. Each x[t, d] has one writer,
+so there are no atomics and the sum's order is fixed: the reference adds in the same
+order. The grid is (D / warps per block, T).
+
+Tolerance: each dot within matvec's `dot_tolerance` of the reference's; weighted and
+summed over K, plus a rounding of the weighted sum and of the add: within
+sum_r |w_r| dy_r + (K + 1) u (|sum| + |x|).
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import cuda, float32
+
+from strata_nb.gpu.geometry import EXPERT_WARPS
+from strata_nb.gpu.launch import DeviceArgs, expect, stream
+from strata_nb.gpu.reduce import WARP, warp_sum
+from strata_nb.kernels.dense.gguf_rows import PART, PARTS, QK, QTYPES, part_runs
+from strata_nb.kernels.dense.matvec import dot_tolerance
+from strata_nb.kernels.experts.expert_rows import expect_table, expert_views, make_expert_part
+
+
+# --8<-- [start:expert_down_ref]
+def expert_down_ref(h,        # (T, K, F) float32: expert_gate_up's output
+                    chosen,   # (T, K) int32: expert ids of this layer
+                    weights,  # (T, K) float32: the router's weights
+                    res,      # (L * E,) int32: expert at + e's slot, or -1
+                    at,       # int: this layer's first entry, layer * E
+                    slots,    # (N, D, F) float32: the slot pool's down matrices
+                    host,     # (L * E, D, F) float32: every expert's, the host copy
+                    x):       # (T, D) float32, added to
+    t_, k = chosen.shape
+    y = np.empty((t_, k, x.shape[1]), np.float32)  # (T, K, D) each expert's output
+    for e in np.unique(chosen):
+        tokens, place = np.nonzero(chosen == e)
+        slot = res[at + e]
+        down = slots[slot] if slot >= 0 else host[at + e]  # (D, F)
+        y[tokens, place] = h[tokens, place] @ down.T
+    total = np.zeros_like(x)
+    for r in range(k):  # the kernel's order: most probable expert first
+        total += weights[:, r, None] * y[:, r]
+    x += total
+
+
+def down_tolerance(h, chosen, weights, down_of, x):
+    """(T, D) float64 bound on |kernel - reference| (module docstring); down_of(e) is
+    expert e's (D, F) float32 matrix; x the residual after the add."""
+    t_, k = chosen.shape
+    bound = np.zeros(x.shape)
+    for t in range(t_):
+        for r in range(k):
+            bound[t] += abs(float(weights[t, r])) * dot_tolerance(h[t, r][None], down_of(int(chosen[t, r])))[0]
+    return bound + (k + 2) * 2.0 ** -24 * 2 * np.abs(x.astype(np.float64)) + 1e-30
+# --8<-- [end:expert_down_ref]
+
+
+# --8<-- [start:expert_down_kernel]
+def make_expert_down_kernel(part, nibbles):
+    expert_part = make_expert_part(part)
+
+    @cuda.jit
+    def expert_down_kernel(h,               # (T, K, F) float32
+                           chosen,          # (T, K) int32
+                           weights,         # (T, K) float32
+                           res, at,         # (L * E,) int32, int32
+                           slot_a, slot_b,  # (N, D, *) views of the slot pool
+                           host_a, host_b,  # (L * E, D, *) views of the host copy
+                           x):              # (T, D) float32, added to
+        lane, warp = cuda.threadIdx.x % WARP, cuda.threadIdx.x // WARP
+        o = cuda.blockIdx.x * (cuda.blockDim.x // WARP) + warp  # the output: row o of down
+        t = cuda.blockIdx.y
+        f, d = h.shape[2], x.shape[1]
+        w = cuda.local.array(PART, float32)
+        total = float32(0.0)
+        for r in range(chosen.shape[1]):
+            index = at + chosen[t, r]
+            slot = res[index]
+            acc = float32(0.0)
+            if o < d:
+                for q in range(lane, f // PART, WARP):
+                    blk, p = q // PARTS, q % PARTS
+                    lo, hi = part_runs(nibbles, p)
+                    lo, hi = blk * QK + lo, blk * QK + hi
+                    expert_part(slot_a, slot_b, host_a, host_b, slot, index, o, blk, p, w)
+                    for i in range(4):
+                        acc += w[i] * h[t, r, lo + i] + w[4 + i] * h[t, r, hi + i]
+            total += weights[t, r] * warp_sum(acc)
+        if lane == 0 and o < d:
+            x[t, o] += total
+
+    return expert_down_kernel
+
+
+EXPERT_DOWN_KERNELS = {qtype: make_expert_down_kernel(part, nibbles) for qtype, (part, _, _, nibbles) in QTYPES.items()}
+# --8<-- [end:expert_down_kernel]
+
+
+def expert_down(h, chosen, weights, res, at, slots, host, qtype, x):
+    """Like expert_down_ref, on the device, with the experts as their GGUF rows: slots
+    (N, D, bytes) and host (L * E, D, bytes) uint8 of type qtype. NumPy arguments are
+    moved (x is written back)."""
+    expect("x", x, np.float32, (None, None))
+    n, d = x.shape
+    expect("h", h, np.float32, (n, None, None))
+    k, f = h.shape[1:]
+    expect("chosen", chosen, np.int32, (n, k))
+    expect("weights", weights, np.float32, (n, k))
+    expect_table(res, res, res, at, 1)
+    if n == 0 or d == 0:
+        return
+    with DeviceArgs() as dev:
+        slot_a, slot_b = expert_views("slots", dev.read(slots), qtype, d, f)
+        host_a, host_b = expert_views("host", dev.read(host), qtype, d, f)
+        EXPERT_DOWN_KERNELS[qtype][(-(-d // EXPERT_WARPS), n), EXPERT_WARPS * WARP, stream()](
+            dev.read(h), dev.read(chosen), dev.read(weights), dev.read(res), np.int32(at), slot_a, slot_b,
+            host_a, host_b, dev.write(x))

@@ -1,0 +1,176 @@
+"""The router of an MoE layer, on the device: the FFN's norm, one logit per expert, the
+softmax, each token's top K and their renormalized weights, and the expert cache's counts.
+
+    x_norm[t]   = rmsnorm(x[t]) * norm
+    p[t, e]     = softmax over e of (router[e] . x_norm[t])
+    chosen[t]   = the K experts of highest p, most probable first (ties: the lower id)
+    weights[t]  = p[t, chosen[t]] / sum of those K
+
+Index legend: T tokens, E experts (at most MAX_EXPERTS), D model dim, K experts used.
+
+The chosen ids and weights stay in device memory: the expert kernels read them there, so
+a decode step captured into a CUDA graph (engine/decode_step.py) replays the same launches
+whichever experts the router picks. The kernel also counts, for the cache's policy and
+its statistics, each lookup of an expert and whether it was a hit (resident in a slot):
+`lookups[layer * E + e]` and `hits[layer * E + e]` only ever grow, so the host can read
+them between steps and take differences (experts/cache.py).
+
+One thread block per token. Its threads first norm the token's row (as rmsnorm.py does),
+then each warp takes experts in turn and dots the normed row with the expert's router row
+(as matvec's plain kernel does a row of W). The softmax and top-K are E and K steps of
+scalar work: thread 0 does them from shared memory.
+
+Tolerance: the ids must equal the reference's; the weights are within `weights_tolerance`
+(see there). Ids can differ only where two experts' probabilities are within the logits'
+tolerance of each other, which random test weights do not produce.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import cuda, float32, int32
+
+from strata_nb.gpu.geometry import ROUTE_THREADS
+from strata_nb.gpu.launch import DeviceArgs, expect, stream
+from strata_nb.gpu.reduce import WARP, block_sum, warp_sum
+from strata_nb.kernels.dense.gguf_rows import PART, PARTS, QK, QTYPES, part_runs, row_bytes, weight_views
+from strata_nb.kernels.dense.matvec import dot_tolerance
+from strata_nb.kernels.dense.rmsnorm import inv_rms, rmsnorm_ref
+from strata_nb.kernels.experts.expert_rows import expect_table
+from strata_nb.kernels.experts.moe import moe_route_ref
+
+MAX_EXPERTS = 64  # logits a thread block holds in shared memory
+MAX_USED = 8  # K: the experts a token takes
+U = 2.0 ** -24  # float32 unit roundoff
+
+
+# --8<-- [start:route_ref]
+def route_ref(x,        # (T, D) float32: the residual stream
+              norm,     # (D,) float32: the FFN's norm weight
+              eps,      # float
+              router,   # (E, D) float32
+              x_norm,   # (T, D) float32, written: the experts' input
+              chosen,   # (T, K) int32, written
+              weights,  # (T, K) float32, written
+              res,      # (L * E,) int32: expert at + e's slot, or -1
+              at,       # int: this layer's first entry, layer * E
+              lookups,  # (L * E,) int32: +1 for each token that chose the expert
+              hits):    # (L * E,) int32: +1 for each of those while it was resident
+    rmsnorm_ref(x, norm, eps, x_norm)
+    c, w = moe_route_ref(x_norm, router, chosen.shape[1])
+    chosen[...], weights[...] = c, w
+    entries = at + c.ravel()  # a token chooses an expert at most once
+    np.add.at(lookups, entries, 1)
+    np.add.at(hits, entries[res[entries] >= 0], 1)
+
+
+def weights_tolerance(x_norm, router):
+    """(T, 1) float64: how far the kernel's weights may be from the reference's. A weight
+    is exp(l_k - max) over a sum of K such terms; each logit l is within its dot
+    tolerance dl of the reference's (matvec.py), so each exp is within a factor
+    exp(2 dl) ~ 1 + 2 dl, and the ratio within 4 dl, plus 16 roundings (exp, the sums,
+    the division; K <= 8) and the norm's own (D + 8) u carried through the logits."""
+    dl = dot_tolerance(x_norm, router).max(axis=1, keepdims=True)
+    return 4 * dl + (16 + 2 * (x_norm.shape[1] + 8)) * U
+# --8<-- [end:route_ref]
+
+
+# --8<-- [start:route_kernel]
+def make_route_kernel(part, nibbles):
+    """The router kernel for one type of router row (its dequantizer `part`)."""
+
+    @cuda.jit
+    def route_kernel(x, norm, eps,   # (T, D) float32, (D,) float32, float32
+                     ra, rb,         # (E, *) two views of the router's GGUF rows
+                     x_norm,         # (T, D) float32, written
+                     chosen,         # (T, K) int32, written
+                     weights,        # (T, K) float32, written
+                     res, at,        # (L * E,) int32, int32
+                     lookups, hits):  # (L * E,) int32, counted
+        t, tid = cuda.blockIdx.x, cuda.threadIdx.x
+        lane, warp, n_warps = tid % WARP, tid // WARP, cuda.blockDim.x // WARP
+        d, n_expert, k = x.shape[1], ra.shape[0], chosen.shape[1]
+        # The norm, as rmsnorm_kernel: each thread a strided share of the row.
+        squares = float32(0.0)
+        for j in range(tid, d, cuda.blockDim.x):
+            squares += x[t, j] * x[t, j]
+        inv = inv_rms(block_sum(squares), d, eps)
+        for j in range(tid, d, cuda.blockDim.x):
+            x_norm[t, j] = x[t, j] * inv * norm[j]
+        cuda.syncthreads()  # the normed row is written before any warp reads it
+        # One logit per expert: warp w takes experts w, w + n_warps, ...; every warp runs
+        # the same number of rounds, because warp_sum is a block-wide barrier under the simulator.
+        p = cuda.shared.array(MAX_EXPERTS, float32)  # (E,) logits, then probabilities
+        w = cuda.local.array(PART, float32)
+        for first in range(0, n_expert, n_warps):
+            e = first + warp
+            acc = float32(0.0)
+            if e < n_expert:
+                for q in range(lane, d // PART, WARP):
+                    blk, part_index = q // PARTS, q % PARTS
+                    part(ra[e], rb[e], blk, part_index, w)
+                    lo, hi = part_runs(nibbles, part_index)
+                    lo, hi = blk * QK + lo, blk * QK + hi
+                    for j in range(4):
+                        acc += w[j] * x_norm[t, lo + j] + w[4 + j] * x_norm[t, hi + j]
+            total = warp_sum(acc)
+            if lane == 0 and e < n_expert:
+                p[e] = total
+        cuda.syncthreads()
+        if tid == 0:
+            top = p[0]
+            for e in range(1, n_expert):
+                top = max(top, p[e])
+            total = float32(0.0)
+            for e in range(n_expert):
+                p[e] = math.exp(p[e] - top)
+                total += p[e]
+            for e in range(n_expert):
+                p[e] = p[e] / total  # the softmax over all E, as the reference takes its top K from
+            picked = cuda.local.array(MAX_USED, float32)
+            kept = float32(0.0)
+            for r in range(k):  # K rounds of argmax; a taken expert's p becomes -1
+                best, best_p = 0, float32(-1.0)
+                for e in range(n_expert):
+                    if p[e] > best_p:  # strictly greater: a tie goes to the lower id
+                        best, best_p = e, p[e]
+                chosen[t, r] = best
+                picked[r] = best_p
+                kept += best_p
+                p[best] = float32(-1.0)
+                cuda.atomic.add(lookups, at + best, int32(1))
+                if res[at + best] >= 0:
+                    cuda.atomic.add(hits, at + best, int32(1))
+            for r in range(k):
+                weights[t, r] = picked[r] / kept
+
+    return route_kernel
+
+
+ROUTE_KERNELS = {qtype: make_route_kernel(part, nibbles) for qtype, (part, _, _, nibbles) in QTYPES.items()}
+# --8<-- [end:route_kernel]
+
+
+def route(x, norm, eps, raw, qtype, x_norm, chosen, weights, res, at, lookups, hits):
+    """Like route_ref, on the device, with the router as its GGUF rows: raw (E, bytes)
+    uint8 of type qtype. NumPy arguments are moved (outputs written back)."""
+    expect("x", x, np.float32, (None, None))
+    n, d = x.shape
+    expect("norm", norm, np.float32, (d,))
+    expect("raw", raw, np.uint8, (None, row_bytes(qtype, d)))
+    n_expert = raw.shape[0]
+    assert 1 <= n_expert <= MAX_EXPERTS, f"{n_expert} experts; the router kernel holds at most {MAX_EXPERTS}"
+    expect("x_norm", x_norm, np.float32, (n, d))
+    expect("chosen", chosen, np.int32, (n, None))
+    k = chosen.shape[1]
+    assert 1 <= k <= min(n_expert, MAX_USED), f"K = {k} experts a token: 1 .. {min(n_expert, MAX_USED)}"
+    expect("weights", weights, np.float32, (n, k))
+    expect_table(res, lookups, hits, at, n_expert)
+    if n == 0:
+        return
+    with DeviceArgs() as dev:
+        ra, rb = weight_views(dev.read(raw), qtype)
+        ROUTE_KERNELS[qtype][n, ROUTE_THREADS, stream()](
+            dev.read(x), dev.read(norm), np.float32(eps), ra, rb, dev.write(x_norm), dev.write(chosen),
+            dev.write(weights), dev.read(res), np.int32(at), dev.write(lookups), dev.write(hits))

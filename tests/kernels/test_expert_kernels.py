@@ -1,0 +1,142 @@
+"""The expert kernels against their references: the router's ids and counts exactly and
+its weights within weights_tolerance; the experts' gate|up + SwiGLU and down + weighted
+add within their tolerances; and reading an expert from its slot gives the same bits as
+reading it from the host copy.
+
+Under the simulator: 2 tokens, 5 experts of which each token takes 2, D = 64, F = 32
+(every simulated thread is a Python thread: 4,096 of them a launch here), two layers' entries in the tables. On a GPU the default
+model's shapes (D = 576, F = 192 as moefy's split of 8 experts), 8 experts, 2 tokens.
+"""
+import numpy as np
+import pytest
+
+from conftest import ON_GPU
+from kernels.test_dense_kernels import assert_within, quantized
+from strata_nb.kernels.experts.expert_down import down_tolerance, expert_down, expert_down_ref
+from strata_nb.kernels.experts.expert_gate_up import expert_gate_up, expert_gate_up_ref, gate_up_tolerance
+from strata_nb.kernels.experts.route import route, route_ref, weights_tolerance
+from strata_nb.model.dequant import dequantize
+
+E, K, T = (8, 2, 2) if ON_GPU else (5, 2, 2)
+D, F = (576, 192) if ON_GPU else (64, 32)
+LAYERS = 2  # the tables hold two layers' entries; the tests use layer 1's
+AT = E  # layer 1's first entry
+
+
+def stacked(rng, qtype, n, shape):
+    """(n, rows, bytes) uint8: n random matrices in GGUF form."""
+    return np.stack([quantized(rng, qtype, shape) for _ in range(n)])
+
+
+def table(rng, n_slots):
+    """res with layer 1's experts 0 and 3 in slots n_slots - 1 and 0, the rest on the host."""
+    res = np.full(LAYERS * E, -1, np.int32)
+    if n_slots:
+        res[AT + 0], res[AT + 3] = n_slots - 1, 0
+    return res
+
+
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
+def test_route_matches_the_reference(qtype):
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((T, D)).astype(np.float32)
+    norm = (1 + 0.1 * rng.standard_normal(D)).astype(np.float32)
+    raw = quantized(rng, qtype, (E, D), scale=0.3)
+    res = table(rng, 2)
+    outs = {}
+    for name, fn, router in (("ref", route_ref, dequantize(raw, qtype)), ("kernel", route, raw)):
+        x_norm = np.zeros((T, D), np.float32)
+        chosen = np.zeros((T, K), np.int32)
+        weights = np.zeros((T, K), np.float32)
+        lookups = np.full(LAYERS * E, 5, np.int32)  # counters only grow: start them anywhere
+        hits = np.full(LAYERS * E, 7, np.int32)
+        args = (x, norm, 1e-5) + ((router,) if name == "ref" else (raw, qtype))
+        fn(*args, x_norm, chosen, weights, res, AT, lookups, hits)
+        outs[name] = x_norm, chosen, weights, lookups, hits
+    (xn, c, w, lk, h), (xn_k, c_k, w_k, lk_k, h_k) = outs["ref"], outs["kernel"]
+    np.testing.assert_array_equal(c_k, c)
+    assert (c[:, 0] != c[:, 1]).all()
+    assert_within(w_k, w, weights_tolerance(xn, dequantize(raw, qtype)) * np.abs(w))
+    np.testing.assert_allclose(w_k.sum(axis=1), 1, atol=1e-6)
+    np.testing.assert_array_equal(lk_k, lk)
+    np.testing.assert_array_equal(h_k, h)
+    assert lk.sum() == 5 * LAYERS * E + T * K and (lk[:AT] == 5).all()  # layer 0's entries untouched
+    assert h.sum() - 7 * LAYERS * E == sum(int(res[AT + e] >= 0) for e in c.ravel())
+
+
+def test_route_breaks_ties_toward_the_lower_id():
+    """Equal logits (a zero router): every expert equally likely; the reference's stable
+    sort takes experts 0 .. K-1, and so must the kernel."""
+    x = np.ones((1, D), np.float32)
+    chosen = np.zeros((1, K), np.int32)
+    weights = np.zeros((1, K), np.float32)
+    zeros = np.zeros(LAYERS * E, np.int32)
+    route(x, np.ones(D, np.float32), 1e-5, np.zeros((E, D), np.float32).view(np.uint8), "F32",
+          np.zeros((1, D), np.float32), chosen, weights, np.full(LAYERS * E, -1, np.int32), 0, zeros, zeros.copy())
+    assert chosen.tolist() == [list(range(K))]
+    np.testing.assert_allclose(weights, 1 / K, rtol=1e-6)
+
+
+def experts_case(qtype, n_slots, seed=2):
+    rng = np.random.default_rng(seed)
+    host_gu = stacked(rng, qtype, LAYERS * E, (2 * F, D))
+    host_down = stacked(rng, qtype, LAYERS * E, (D, F))
+    res = table(rng, n_slots)
+    slots_gu = np.zeros((n_slots, 2 * F, host_gu.shape[2]), np.uint8)
+    slots_down = np.zeros((n_slots, D, host_down.shape[2]), np.uint8)
+    for e in range(E):
+        if res[AT + e] >= 0:  # a resident expert's slot holds its bytes
+            slots_gu[res[AT + e]], slots_down[res[AT + e]] = host_gu[AT + e], host_down[AT + e]
+    chosen = np.array([[0, 3], [4, 0], [2, 1]][:T], np.int32) if not ON_GPU else np.array([[0, 3], [7, 5]], np.int32)
+    weights = np.array([[0.7, 0.3], [0.55, 0.45], [0.9, 0.1]][:T], np.float32)
+    x_norm = rng.standard_normal((T, D)).astype(np.float32)
+    return host_gu, host_down, slots_gu, slots_down, res, chosen, weights, x_norm
+
+
+def dq(stack, qtype):
+    return np.stack([dequantize(m, qtype) for m in stack]) if len(stack) else np.zeros((0,), np.float32)
+
+
+@pytest.mark.parametrize("qtype,n_slots", [("Q4_1", 2), ("Q4_0", 0), ("Q8_0", 2)])
+def test_expert_gate_up_matches_the_reference(qtype, n_slots):
+    host_gu, _, slots_gu, _, res, chosen, _, x_norm = experts_case(qtype, n_slots)
+    want = np.zeros((T, K, F), np.float32)
+    f_host, f_slots = dq(host_gu, qtype), dq(slots_gu, qtype).reshape(n_slots, 2 * F, D)
+    expert_gate_up_ref(x_norm, chosen, res, AT, f_slots, f_host, want)
+    got = np.zeros((T, K, F), np.float32)
+    expert_gate_up(x_norm, chosen, res, AT, slots_gu, host_gu, qtype, got)
+    assert_within(got, want, gate_up_tolerance(x_norm, chosen, lambda e: f_host[AT + e]))
+
+
+def test_an_expert_reads_the_same_bits_from_its_slot_as_from_the_host_copy():
+    """All on the host, then experts 0 and 3 in slots: the kernel's output is the same
+    bits (the cache cannot change what a token computes)."""
+    host_gu, host_down, slots_gu, slots_down, res, chosen, weights, x_norm = experts_case("Q4_1", 2)
+    outs = []
+    for table_now in (np.full_like(res, -1), res):
+        h = np.zeros((T, K, F), np.float32)
+        expert_gate_up(x_norm, chosen, table_now, AT, slots_gu, host_gu, "Q4_1", h)
+        x = np.ones((T, D), np.float32)
+        expert_down(h, chosen, weights, table_now, AT, slots_down, host_down, "Q4_1", x)
+        outs.append((h, x))
+    np.testing.assert_array_equal(outs[0][0], outs[1][0])
+    np.testing.assert_array_equal(outs[0][1], outs[1][1])
+    # and a slot that holds the wrong expert's bytes shows: the negative control
+    slots_gu[0] = host_gu[AT + 1]
+    h = np.zeros((T, K, F), np.float32)
+    expert_gate_up(x_norm, chosen, res, AT, slots_gu, host_gu, "Q4_1", h)
+    assert not np.array_equal(h, outs[0][0])
+
+
+@pytest.mark.parametrize("qtype,n_slots", [("Q4_1", 2), ("F16", 0)])
+def test_expert_down_matches_the_reference(qtype, n_slots):
+    _, host_down, _, slots_down, res, chosen, weights, _ = experts_case(qtype, n_slots, seed=3)
+    rng = np.random.default_rng(4)
+    h = rng.standard_normal((T, K, F)).astype(np.float32)
+    x0 = rng.standard_normal((T, D)).astype(np.float32)
+    f_host, f_slots = dq(host_down, qtype), dq(slots_down, qtype).reshape(n_slots, D, F)
+    want = x0.copy()
+    expert_down_ref(h, chosen, weights, res, AT, f_slots, f_host, want)
+    got = x0.copy()
+    expert_down(h, chosen, weights, res, AT, slots_down, host_down, qtype, got)
+    assert_within(got, want, down_tolerance(h, chosen, weights, lambda e: f_host[AT + e], want))
