@@ -5,7 +5,14 @@ check runs llama.cpp on an all-F32 copy of the GGUF with an f32 KV cache; that i
 float32 forward up to summation order, so our logits with the float32 reference cache must
 match within 1e-3 (measured: ~7e-5). llama.cpp on the Q4_1 file itself quantizes the
 activations to 8 bits inside its matmuls, so there only the ranking is compared.
+
+The same check covers two mixture-of-experts files that `strata-nb moefy` makes from the
+default model (the settings are in llama_moe_reference_meta.json; each test rebuilds its
+file from them): the exact oracle (split, 8 experts all used, zero router), and a routed
+file (split, 6 of 8 experts, a seeded random router), whose logits are llama.cpp's only if
+every token in every layer takes the same 6 experts with the same weights.
 """
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -13,12 +20,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from strata_nb import Engine
 from strata_nb.model.dequant import dequantize
 from strata_nb.model.gguf_file import GGUFModel
 from strata_nb.model.moefy import moefy
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures"
+MOE_META = json.loads((FIXTURES / "llama_moe_reference_meta.json").read_text())
 
 
 def _texts(name):
@@ -33,10 +42,11 @@ def fp32_logits(engine_for):
     return [eng.score(ids) for ids, *_ in _texts("llama_f32_logits.npz")]
 
 
-@pytest.mark.model
-def test_matches_llama_cpp_f32_within_1e_3(fp32_logits):
+def _assert_f32_agreement(logits, fixture: str):
+    """Our logits (one (n, vocab) array a text) against llama.cpp's on the F32 copy: within
+    1e-3 on its top 32 and its full rows, and the same top-1 at >= 99.5% of the positions."""
     n = agree = 0
-    for ours, (ids, top_ids, top_logits, full_pos, full) in zip(fp32_logits, _texts("llama_f32_logits.npz")):
+    for ours, (ids, top_ids, top_logits, full_pos, full) in zip(logits, _texts(fixture), strict=True):
         assert ours.shape == (len(ids), 49152) and ours.dtype == np.float32
         np.testing.assert_allclose(np.take_along_axis(ours, top_ids, axis=1), top_logits, atol=1e-3, rtol=0)
         np.testing.assert_allclose(ours[full_pos], full, atol=1e-3, rtol=0)
@@ -44,6 +54,11 @@ def test_matches_llama_cpp_f32_within_1e_3(fp32_logits):
         agree += int((ours.argmax(1) == top_ids[:, 0]).sum())
     assert n >= 300
     assert agree / n >= 0.995
+
+
+@pytest.mark.model
+def test_matches_llama_cpp_f32_within_1e_3(fp32_logits):
+    _assert_f32_agreement(fp32_logits, "llama_f32_logits.npz")
 
 
 @pytest.mark.model
@@ -87,3 +102,33 @@ def test_f32_copy_of_an_moe_file_keeps_every_tensor(tiny_model, tmp_path):
     for name, t in copy.tensors.items():
         assert t.tensor_type.name == "F32" and [int(x) for x in t.shape] == ne[name], name
         np.testing.assert_array_equal(_values(copy, name), _values(src, name), err_msg=name)
+
+
+def _moe_logits(which: str, model_path: str, folder: Path):
+    """Our logits over the three texts on the MoE file `which` ("oracle" or "routed"),
+    rebuilt from the default model with the moefy settings its fixture was made from."""
+    entry = MOE_META["files"][which]
+    settings = entry["moefy"]
+    path = moefy(model_path, folder / f"{which}.gguf", **settings)
+    eng = Engine.load(model=str(path), kv="fp32", device="cpu", max_context=1024)
+    assert (eng.config.n_expert, eng.config.n_expert_used) == (settings["experts"], settings["used"])
+    return [eng.score(ids) for ids, *_ in _texts(entry["fixture"])]
+
+
+@pytest.mark.model
+def test_moe_oracle_matches_llama_cpp_f32_within_1e_3(default_model_path, tmp_path):
+    """Split into 8 experts, all used, zero router: the dense model with its sums in another
+    order, in llama.cpp as here (llama.cpp's oracle and dense runs differ by 6e-5)."""
+    _assert_f32_agreement(_moe_logits("oracle", default_model_path, tmp_path), "llama_moe_oracle_logits.npz")
+
+
+@pytest.mark.model
+def test_moe_routing_matches_llama_cpp_f32_within_1e_3(default_model_path, tmp_path):
+    """6 of 8 experts by a random router: softmax over the 8 logits, top 6, the 6 weights
+    renormalized. One expert chosen differently at one token of one layer moves the logits
+    far past 1e-3, and the file is not the dense model: llama.cpp's routed and dense runs
+    share the top-1 at fewer than a fifth of the positions, so only the same routing agrees."""
+    against_dense = MOE_META["against_llama_cpp_dense_f32"]["routed"]
+    agree, n = map(int, against_dense["top1_agreement"].split("/"))
+    assert agree / n < 0.2 and against_dense["max_abs_diff_full_rows"] > 1.0
+    _assert_f32_agreement(_moe_logits("routed", default_model_path, tmp_path), "llama_moe_routed_logits.npz")

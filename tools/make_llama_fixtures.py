@@ -29,12 +29,34 @@ into ``tests/fixtures/``:
   the fixtures were made, and llama.cpp CPU speed (decode / prefill tok/s,
   median of 3 runs) on the Q4_1 file.
 
+* ``--moe``: fixtures for two mixture-of-experts files made from the default model
+  by ``strata-nb moefy`` (MOE_FILES below says how), each through its all-F32 copy
+  with an f32 KV cache, teacher-forced over the same three texts:
+  ``llama_moe_oracle_logits.npz`` (split, 8 experts all used, zero router: the
+  dense model, exactly) and ``llama_moe_routed_logits.npz`` (split, 6 of 8
+  experts, a seeded random router: llama.cpp's routing itself).  Same keys as
+  above, but full rows only at (0, n//3, n-1), which keeps each file under 2 MB.
+  ``llama_moe_reference_meta.json`` records each file's moefy settings (the
+  tests rebuild the files from them), sha256s, and the comparisons below.
+
 How to run
 ----------
     python3 tools/write_f32_gguf.py /tmp/model/SmolLM2-135M-Instruct.Q4_1.gguf \
         /tmp/model/SmolLM2-135M-Instruct.F32.gguf
     /tmp/llamaenv/bin/python tools/make_llama_fixtures.py \
         [--q4 PATH] [--f32 PATH] [--no-speed]
+
+For --moe, first write the MoE files and their F32 copies (settings from MOE_FILES):
+
+    strata-nb moefy --kind split --experts 8 --used 8 --router zero \
+        --out /tmp/model/moe-split-e8k8.gguf
+    strata-nb moefy --kind split --experts 8 --used 6 --router random --seed 2 \
+        --out /tmp/model/moe-split-e8k6.gguf
+    python3 tools/write_f32_gguf.py /tmp/model/moe-split-e8k8.gguf /tmp/model/moe-split-e8k8.F32.gguf
+    python3 tools/write_f32_gguf.py /tmp/model/moe-split-e8k6.gguf /tmp/model/moe-split-e8k6.F32.gguf
+    /tmp/llamaenv/bin/python tools/make_llama_fixtures.py --moe [--moe-oracle PATH] [--moe-routed PATH]
+
+It writes only the MoE fixtures (about 15 seconds on 2 cores; the dense ones stay as they are).
 
 Runtime: about 20 seconds on a 2-core x86 machine (~12 s for the fixtures,
 ~5 s for the speed measurement).  Needs llama-cpp-python, numpy and the two
@@ -64,6 +86,23 @@ DOC_PATH = REPO / "src" / "strata_nb" / "data" / "default_document.txt"
 
 DEFAULT_Q4 = "/tmp/model/SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_F32 = "/tmp/model/SmolLM2-135M-Instruct.F32.gguf"
+
+# The MoE files: fixture name, moefy's settings (the tests rebuild each file from them, as
+# recorded in llama_moe_reference_meta.json), and where the F32 copy is by default.
+# The routed file uses 6 of 8 experts, not 2: 2 of 8 leaves a model so far from the dense
+# one that it amplifies float32 rounding (llama.cpp's logits and ours drift apart by 1e-2
+# with identical routing), and a router near-tie that the two break differently moves the
+# later logits by tens. At 6 of 8 the seed's closest call between the 6th and 7th expert
+# is a 3e-6 logit gap over the three texts, and the two agree within the dense 1e-3.
+MOE_FILES = {
+    "oracle": {"fixture": "llama_moe_oracle_logits.npz",
+               "moefy": {"kind": "split", "experts": 8, "used": 8, "router": "zero", "seed": 0},
+               "f32": "/tmp/model/moe-split-e8k8.F32.gguf"},
+    "routed": {"fixture": "llama_moe_routed_logits.npz",
+               "moefy": {"kind": "split", "experts": 8, "used": 6, "router": "random", "seed": 2},
+               "f32": "/tmp/model/moe-split-e8k6.F32.gguf"},
+}
+MOE_META = "llama_moe_reference_meta.json"
 
 N_THREADS = 2
 N_CTX = 1024
@@ -207,7 +246,15 @@ def doc_prefix(llm: Llama, target: int = 200) -> str:
     return best
 
 
-def teacher_forced(llm: Llama, ids: list[int]) -> dict[str, np.ndarray]:
+def four_rows(n: int) -> tuple[int, ...]:
+    return (0, n // 3, 2 * n // 3, n - 1)
+
+
+def three_rows(n: int) -> tuple[int, ...]:  # the MoE fixtures: one row fewer keeps a file under 2 MB
+    return (0, n // 3, n - 1)
+
+
+def teacher_forced(llm: Llama, ids: list[int], full_rows=four_rows) -> dict[str, np.ndarray]:
     llm.reset()
     llm.eval(ids)
     n = len(ids)
@@ -217,7 +264,7 @@ def teacher_forced(llm: Llama, ids: list[int]) -> dict[str, np.ndarray]:
     order = np.argsort(-logits, axis=1, kind="stable")[:, :TOPK]
     topk_ids = order.astype(np.int32)
     topk_logits = np.take_along_axis(logits, order, axis=1).astype(np.float32)
-    pos = np.array([0, n // 3, 2 * n // 3, n - 1], dtype=np.int32)
+    pos = np.array(full_rows(n), dtype=np.int32)
     return dict(ids=np.asarray(ids, np.int32), topk_ids=topk_ids,
                 topk_logits=topk_logits, full_pos=pos,
                 full_logits=logits[pos].copy(), _all=logits)
@@ -295,14 +342,100 @@ def measure_speed(path: str, doc_ids: list[int], short_prompt: list[int]) -> dic
     }
 
 
+def moefy_command(settings: dict, out: str) -> str:
+    return (f"strata-nb moefy --kind {settings['kind']} --experts {settings['experts']} "
+            f"--used {settings['used']} --router {settings['router']} --seed {settings['seed']} --out {out}")
+
+
+def overlap_diff(a: dict, b: dict) -> tuple[float, int]:
+    """Two teacher-forced runs over the same ids: (largest |logit difference| where their
+    top-32 ids overlap, rows whose top-1 ids agree)."""
+    assert np.array_equal(a["ids"], b["ids"])
+    md = 0.0
+    for p in range(len(a["ids"])):
+        _, ia, ib = np.intersect1d(a["topk_ids"][p], b["topk_ids"][p], return_indices=True)
+        if len(ia):
+            md = max(md, float(np.abs(a["topk_logits"][p][ia] - b["topk_logits"][p][ib]).max()))
+    return md, int((a["topk_ids"][:, 0] == b["topk_ids"][:, 0]).sum())
+
+
+def moe_fixtures(paths: dict[str, str], t_start: float) -> int:
+    """The --moe mode: llama_moe_{oracle,routed}_logits.npz and llama_moe_reference_meta.json."""
+    dense = np.load(FIXTURES / "llama_f32_logits.npz")
+    texts = [str(dense[f"text_{i}"]) for i in range(3)]  # the dense fixtures' texts, so rows line up
+    results, files = {}, {}
+    for key, spec in MOE_FILES.items():
+        path, settings = paths[key], spec["moefy"]
+        llm = make_llm(path, f32_kv=True)
+        got = (llm.metadata.get("llama.expert_count"), llm.metadata.get("llama.expert_used_count"))
+        want = (str(settings["experts"]), str(settings["used"]))
+        assert got == want, f"{path}: (experts, used) = {got}, MOE_FILES says {want}"
+        results[key] = []
+        for i, t in enumerate(texts):
+            ids = tok(llm, t)
+            assert ids == dense[f"ids_{i}"].tolist(), f"text {i} tokenizes differently from the dense fixture"
+            results[key].append(teacher_forced(llm, ids, full_rows=three_rows))
+            print(f"[moe {key}] text {i}: {len(ids)} tokens", flush=True)
+        del llm
+        arrs = {}
+        for i, t in enumerate(texts):
+            arrs[f"text_{i}"] = np.array(t)
+            for k in ("ids", "topk_ids", "topk_logits", "full_pos", "full_logits"):
+                arrs[f"{k}_{i}"] = results[key][i][k]
+        np.savez_compressed(FIXTURES / spec["fixture"], **arrs)
+        files[key] = {"fixture": spec["fixture"], "moefy": settings,
+                      "made_by": [moefy_command(settings, "MOE.gguf"),
+                                  "python3 tools/write_f32_gguf.py MOE.gguf MOE.F32.gguf"],
+                      "f32_file": os.path.basename(path), "f32_size": os.path.getsize(path),
+                      "f32_sha256": sha256(path)}
+
+    # how each file's logits stand against llama.cpp's dense F32 run (llama_f32_logits.npz)
+    against_dense = {}
+    for key in MOE_FILES:
+        n = agree = 0
+        md = full_md = 0.0
+        for i, r in enumerate(results[key]):
+            d = dict(ids=dense[f"ids_{i}"], topk_ids=dense[f"topk_ids_{i}"], topk_logits=dense[f"topk_logits_{i}"])
+            m, a = overlap_diff(r, d)
+            md, agree, n = max(md, m), agree + a, n + len(r["ids"])
+            rows = [list(dense[f"full_pos_{i}"]).index(p) for p in r["full_pos"]]
+            full_md = max(full_md, float(np.abs(r["full_logits"] - dense[f"full_logits_{i}"][rows]).max()))
+        against_dense[key] = {"top1_agreement": f"{agree}/{n}",
+                              "max_abs_diff_topk_overlap": float(f"{md:.3g}"),
+                              "max_abs_diff_full_rows": float(f"{full_md:.3g}")}
+    print("against llama.cpp's dense F32 run:", json.dumps(against_dense), flush=True)
+
+    meta = {
+        "llama_cpp_python_version": llama_cpp.__version__,
+        "llama_cpp_system_info": llama_cpp.llama_print_system_info().decode(errors="replace"),
+        "python": sys.version.split()[0], "numpy": np.__version__, "platform": platform.platform(),
+        "source_model": "the default model (SmolLM2-135M-Instruct Q4_1), the sha256 in llama_reference_meta.json",
+        "files": files,
+        "llama_params": {"n_ctx": N_CTX, "n_batch": N_BATCH, "n_threads": N_THREADS, "logits_all": True,
+                         "flash_attn": False, "kv_cache": "type_k=type_v=GGML_TYPE_F32 (0)"},
+        "texts": "the three texts of llama_f32_logits.npz, same ids; full rows at (0, n//3, n-1)",
+        "against_llama_cpp_dense_f32": against_dense,
+        "generated_at_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "script_runtime_s": round(time.time() - t_start, 1),
+    }
+    (FIXTURES / MOE_META).write_text(json.dumps(meta, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    print(f"done in {meta['script_runtime_s']} s", flush=True)
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--q4", default=DEFAULT_Q4)
     ap.add_argument("--f32", default=DEFAULT_F32)
     ap.add_argument("--no-speed", action="store_true")
+    ap.add_argument("--moe", action="store_true", help="write only the MoE fixtures")
+    for key, spec in MOE_FILES.items():
+        ap.add_argument(f"--moe-{key}", default=spec["f32"], help=f"F32 copy of the {key} MoE file")
     args = ap.parse_args()
     FIXTURES.mkdir(parents=True, exist_ok=True)
     t_start = time.time()
+    if args.moe:
+        return moe_fixtures({key: getattr(args, f"moe_{key}") for key in MOE_FILES}, t_start)
 
     # ---------------- tokenizer + teacher-forced + greedy on Q4_1 --------
     models = {"q4_1": (args.q4, False), "f32": (args.f32, True)}
