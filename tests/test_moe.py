@@ -70,8 +70,8 @@ def test_split_all_experts_is_the_dense_model(experts, qtype, dense, tmp_path):
 def test_negative_control_swapped_experts_break_the_oracle(dense, tmp_path):
     moe = engine(moefy(dense(), tmp_path / "moe.gguf", "split", 4))
     want = engine(dense()).score(PROMPT)
-    layer = moe.weights.layers[0]
-    layer.experts_down[0], layer.experts_down[1] = layer.experts_down[1], layer.experts_down[0]
+    slots = moe.weights.experts.slot_down  # every expert resident: layer 0's experts 0, 1 in slots 0, 1
+    slots[[0, 1]] = slots[[1, 0]]
     assert np.abs(moe.score(PROMPT) - want).max() > 100 * REL * np.abs(want).max()
 
 
@@ -111,10 +111,10 @@ def test_split_with_a_random_router_matches_a_per_token_loop(dense, tmp_path):
     layer, eps = moe.weights.layers[1], moe.config.rms_eps
     rng = np.random.default_rng(11)
     x = rng.standard_normal((37, 128)).astype(np.float32)  # 37 tokens: every expert gets some
-    want = moe_loop_ref(x, moe.be.rmsnorm(x, layer.ffn_norm, eps), layer.router, layer.experts_gate_up,
-                        layer.experts_down, 2)
-    got = moe.be.moe_ffn_add_(x.copy(), layer.ffn_norm, eps, layer.router, layer.experts_gate_up,
-                              layer.experts_down, 2)
+    experts, at = moe.weights.experts, moe.weights.experts.at(1)
+    want = moe_loop_ref(x, moe.be.rmsnorm(x, layer.ffn_norm, eps), layer.router, experts.host_gate_up[at:at + 4],
+                        experts.host_down[at:at + 4], 2)
+    got = moe.be.moe_ffn_add_(x.copy(), layer.ffn_norm, eps, layer.router, experts, 1)
     # float32 against float64 over dot products of 128 and 64 terms: 1e-5 of the output's scale
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
     assert np.abs(got - x).max() > 0.1  # the experts did add something
@@ -207,8 +207,7 @@ def rewrite(src, dst, drop=(), changed=None):
 @pytest.mark.parametrize("drop, changed, message", [
     (["blk.1.ffn_down_exps.weight"], None, "lacks tensor 'blk.1.ffn_down_exps.weight'"),
     ([], {"llama.expert_used_count": 5}, "routes each token to 5 of 4 experts"),
-    ([], {"llama.expert_count": 8}, "has shape (4, 64, 128); this model's experts need (experts, rows, cols) = "
-                                    "(8, 64, 128)"),
+    ([], {"llama.expert_count": 8}, "tensor blk.0.ffn_gate_inp.weight has shape (4, 128); this model needs (8, 128)"),
 ])
 def test_malformed_moe_file_is_one_clear_error(drop, changed, message, dense, tmp_path):
     moe_path = moefy(dense(), tmp_path / "moe.gguf", "split", 4)
@@ -226,10 +225,14 @@ def test_api_errors_name_the_parameter(dense, tmp_path):
         moefy(moe_path, tmp_path / "again.gguf")
 
 
-def test_cuda_backend_refuses_an_moe_model(dense, tmp_path):
-    moe_path = moefy(dense(), tmp_path / "moe.gguf", "split", 2)
-    with pytest.raises(StrataError, match="the cuda backend has no expert kernels yet; use --device cpu"):
-        Engine.load(model=str(moe_path), device="cuda", max_context=128)
+def test_cuda_backend_refuses_more_experts_than_its_router_holds(dense):
+    from dataclasses import replace
+
+    from strata_nb.backend.cuda_backend import CudaBackend
+
+    cfg = GGUFModel(dense()).config
+    with pytest.raises(StrataError, match="router takes at most 64 experts and 8 a token; this model has 65 and 2"):
+        CudaBackend().check_model(replace(cfg, n_expert=65, n_expert_used=2), qsa=False)
 
 
 @pytest.mark.slow

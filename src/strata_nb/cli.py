@@ -35,9 +35,19 @@ def engine_options(f):
         click.option("--graph/--no-graph", default=True, show_default=True,
                      help="On a GPU, capture a decode step into a CUDA graph once and replay it per token "
                           "(resident or streamed KV); --no-graph launches every kernel each step."),
-        click.option("--fault", type=click.Choice(["none", "drop-v-mirror"]), default="none",
+        click.option("--expert-cache", default="auto", show_default=True,
+                     help="MoE models: experts held in VRAM slots, a number or auto (as many as free VRAM holds "
+                          "after --vram-reserve-mib; every expert on the CPU). The rest are read from pinned host memory."),
+        click.option("--adapt-every", type=int, default=4, show_default=True,
+                     help="MoE models: forward passes between the expert cache's adapts (moving hot experts in)."),
+        click.option("--adapt-swaps", type=int, default=96, show_default=True,
+                     help="MoE models: experts copied into VRAM slots at most, per adapt."),
+        click.option("--vram-reserve-mib", type=int, default=1024, show_default=True,
+                     help="MoE models: VRAM that --expert-cache auto leaves free."),
+        click.option("--fault", type=click.Choice(["none", "drop-v-mirror", "expert-early-resident"]), default="none",
                      help="Teaching switch: drop-v-mirror makes the k8v4 V half skip the host copy "
-                          "(the unfolded-half bug). Off by default."),
+                          "(the unfolded-half bug); expert-early-resident marks an expert resident before "
+                          "its copy lands. Off by default."),
     ]
     for opt in reversed(opts):
         f = opt(f)
@@ -109,6 +119,11 @@ def run(prompt, max_tokens, temperature, top_k, top_p, seed, raw, stats, **engin
             click.echo(f"KV streaming: {c.lookups} lookups, {c.misses} misses ({c.misses_per_step:.1f} per layer-step), "
                        f"hit rate {c.hit_rate:.3f}, {c.copies} copies, {c.in_place} read in place, "
                        f"{c.bytes_moved / 2**20:.1f} MiB moved", err=True)
+        if "experts" in s.extra:
+            x = s.extra["experts"]
+            click.echo(f"experts: {x['lookups']} lookups, {x['hits']} hits, hit rate {x['hit_rate']:.3f}, "
+                       f"{x['copies']} copied in ({x['swaps']} swaps), {x['bytes_moved'] / 2**20:.1f} MiB moved "
+                       f"({eng.weights.experts.n_slots} slots)", err=True)
 
 
 def _prompt_text(prompt: str | None) -> str:

@@ -8,7 +8,7 @@ from .errors import SettingError
 from .kv_layout import BLOCK, FORMATS
 
 DEVICES = ("auto", "cpu", "cuda")
-FAULTS = ("none", "drop-v-mirror")
+FAULTS = ("none", "drop-v-mirror", "expert-early-resident")
 
 
 @dataclass(slots=True)
@@ -21,7 +21,11 @@ class Settings:
     device: str = "auto"  # auto, cpu (the numpy backend), cuda
     max_context: int | None = None  # cells per layer the KV cache holds; None = the model's trained context
     prefill_chunk: int | None = None  # prompt tokens per forward pass; None = the backend's (prefill_chunk)
-    fault: str = "none"  # teaching switch: drop-v-mirror reproduces the unfolded-V-half bug
+    fault: str = "none"  # teaching switches: drop-v-mirror (the unfolded-V-half bug), expert-early-resident
+    expert_cache: int | str = "auto"  # MoE: experts held in VRAM slots; "auto" = what free VRAM holds
+    adapt_every: int = 4  # MoE: passes between the expert cache's adapts
+    adapt_swaps: int = 96  # MoE: experts copied into slots at most, per adapt
+    vram_reserve_mib: int = 1024  # MoE: VRAM "auto" leaves free
     graph: bool = True  # replay each decode step from a captured CUDA graph (on a GPU)
 
     def __post_init__(self):
@@ -41,6 +45,19 @@ class Settings:
             raise SettingError("prefill_chunk", f"must be at least 1, got {self.prefill_chunk}")
         if self.fault not in FAULTS:
             raise SettingError("fault", f"{self.fault!r} is not one of {', '.join(FAULTS)}")
+        if self.expert_cache != "auto":
+            try:
+                self.expert_cache = int(self.expert_cache)
+            except (TypeError, ValueError):
+                raise SettingError("expert_cache", f"must be 'auto' or a number of experts, got {self.expert_cache!r}")
+            if self.expert_cache < 0:
+                raise SettingError("expert_cache", f"must be 'auto' or a number of experts >= 0, got {self.expert_cache}")
+        if self.adapt_every < 1:
+            raise SettingError("adapt_every", f"must be at least 1 pass, got {self.adapt_every}")
+        if self.adapt_swaps < 1:
+            raise SettingError("adapt_swaps", f"must be at least 1, got {self.adapt_swaps}")
+        if self.vram_reserve_mib < 0:
+            raise SettingError("vram_reserve_mib", f"must be >= 0, got {self.vram_reserve_mib}")
         if self.fault == "drop-v-mirror" and self.kv != "k8v4":
             raise SettingError("fault", "'drop-v-mirror' breaks the k8v4 V half, so it needs the KV format k8v4")
 

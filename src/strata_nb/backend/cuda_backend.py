@@ -18,6 +18,9 @@ from numba import cuda
 
 from ..errors import StrataError
 from ..kernels.dense import embed, gguf_rows, matmul, matvec, residual, rmsnorm, rope, swiglu
+from ..kernels.experts.expert_down import expert_down
+from ..kernels.experts.expert_gate_up import expert_gate_up
+from ..kernels.experts.route import MAX_EXPERTS, MAX_USED, route
 from ..gpu.launch import device_empty
 from ..model.dequant import dequantize
 
@@ -73,14 +76,13 @@ class CudaBackend:
         """The step kernels are compiled for a range of shapes (head_dim, query heads per KV
         head, and KV heads for QSA's scores), and a step's merge holds a bounded number of
         splits: a model or a context outside them stops here, with the range, and not at
-        its first launch. A mixture-of-experts model stops here too: its FFN has only the
-        NumPy reference (kernels/experts/moe.py)."""
+        its first launch; so does a mixture of more experts than the router kernel holds."""
         from ..kernels.attention import attention_step
         from ..kernels.step import block_scores
 
-        if cfg.n_expert:
-            raise StrataError("the cuda backend has no expert kernels yet; use --device cpu "
-                              f"(this model is a mixture of {cfg.n_expert} experts)")
+        if cfg.n_expert > MAX_EXPERTS or cfg.n_expert_used > MAX_USED:
+            raise StrataError(f"the cuda backend's router takes at most {MAX_EXPERTS} experts and {MAX_USED} a token; "
+                              f"this model has {cfg.n_expert} and {cfg.n_expert_used} (use --device cpu)")
         group = cfg.n_heads // cfg.n_kv_heads
         if cfg.head_dim not in attention_step.HEAD_DIMS or group > attention_step.MAX_GROUP:
             raise StrataError(f"the cuda backend's attention is built for head_dim in {attention_step.HEAD_DIMS} "
@@ -130,6 +132,27 @@ class CudaBackend:
 
     def vector(self, qtensor):
         return cuda.to_device(np.ascontiguousarray(dequantize(qtensor.raw, qtensor.qtype).reshape(-1)))
+
+    # ---- the expert cache's memory (experts/cache.py) -----------------------------------
+    def expert_host_copy(self, raw, qtype):
+        """(n, rows, bytes) uint8 GGUF rows of n expert matrices, in pinned device-mapped
+        memory: copies from it run at full bus speed, and kernels read it in place."""
+        host = cuda.mapped_array(raw.shape, np.uint8)
+        host[...] = raw
+        return host
+
+    def expert_slots(self, n: int, host):
+        """n VRAM slots shaped as one of the host copy's matrices."""
+        return cuda.device_array((n, *host.shape[1:]), np.uint8)
+
+    def copy_expert(self, slots, slot: int, host, index: int):
+        """slots[slot] <- host[index], on the default stream: after the steps queued so far,
+        before any queued later (experts/cache.py says why that order matters)."""
+        slots[slot].copy_to_device(np.asarray(host)[index])
+
+    def free_memory(self) -> int:
+        free, _ = cuda.current_context().get_memory_info()
+        return free
 
     # ---- ops: NumpyBackend's, on the device ---------------------------------------------
     # --8<-- [start:cuda_ops]
@@ -215,6 +238,19 @@ class CudaBackend:
         if x.shape[0] > matvec.MAX_ROWS:
             return self.add_(x, self.matmul(self.swiglu(gate_up), w))
         matvec.matvec(gate_up, w.raw, w.qtype, x, swiglu=True, add=True, ahead=_rows(ahead))
+        return x
+
+    def moe_ffn_add_(self, x, norm, eps: float, router: DeviceMatrix, experts, layer: int):
+        # Three launches: the router (with the norm), the chosen experts' gate|up with SwiGLU,
+        # their down products added to x. The ids stay on the device, so a graph replays them.
+        n, k, at = x.shape[0], experts.k, experts.at(layer)
+        x_norm = device_empty(x.shape, np.float32)
+        chosen, weights = device_empty((n, k), np.int32), device_empty((n, k), np.float32)
+        route(x, norm, eps, router.raw, router.qtype, x_norm, chosen, weights, experts.res, at, experts.lookups,
+              experts.hits)
+        h = device_empty((n, k, experts.host_gate_up.shape[1] // 2), np.float32)
+        expert_gate_up(x_norm, chosen, experts.res, at, experts.slot_gate_up, experts.host_gate_up, experts.qtype, h)
+        expert_down(h, chosen, weights, experts.res, at, experts.slot_down, experts.host_down, experts.qtype, x)
         return x
     # --8<-- [end:cuda_ops]
 

@@ -10,7 +10,9 @@ import contextlib
 
 import numpy as np
 
-from ..kernels.experts.moe import moe_ffn_ref
+from ..kernels.experts.expert_down import expert_down_ref
+from ..kernels.experts.expert_gate_up import expert_gate_up_ref
+from ..kernels.experts.route import route_ref
 from ..kernels.dense.rmsnorm import rmsnorm_ref
 from ..kernels.dense.rope import rope_qkv_ref
 from ..kernels.dense.swiglu import swiglu_ref
@@ -65,6 +67,22 @@ class NumpyBackend:
 
     def vector(self, qtensor):
         return dequantize(qtensor.raw, qtensor.qtype).reshape(-1)
+
+    # ---- the expert cache's memory (experts/cache.py) -----------------------------------
+    def expert_host_copy(self, raw, qtype):
+        """(n, rows, bytes) uint8 GGUF rows of n expert matrices -> (n, rows, cols) float32."""
+        return np.stack([dequantize(m, qtype) for m in raw])
+
+    def expert_slots(self, n: int, host):
+        """n slots shaped as one of the host copy's matrices ("VRAM" is an ordinary array here)."""
+        return np.zeros((n, *host.shape[1:]), host.dtype)
+
+    def copy_expert(self, slots, slot: int, host, index: int):
+        slots[slot] = host[index]
+
+    def free_memory(self):
+        """Free device memory in bytes; None: no device, every expert fits."""
+        return None
 
     # ---- ops ----------------------------------------------------------------------------
     # --8<-- [start:numpy_ops]
@@ -125,7 +143,15 @@ class NumpyBackend:
         # x += swiglu(gate_up) @ W.T, in place
         return self.add_(x, self.matmul(self.swiglu(gate_up), w))
 
-    def moe_ffn_add_(self, x, norm, eps: float, router, experts_gate_up, experts_down, k: int):
-        # x += the FFN of an MoE layer: rmsnorm(x) routed to k of E experts (kernels/experts/moe.py)
-        return moe_ffn_ref(x, self.rmsnorm(x, norm, eps), router, experts_gate_up, experts_down, k)
+    def moe_ffn_add_(self, x, norm, eps: float, router, experts, layer: int):
+        # x += the FFN of an MoE layer: rmsnorm(x) routed to K of E experts, each read from
+        # its slot or the host copy of the expert cache `experts` (kernels/experts/)
+        n, k, at = x.shape[0], experts.k, experts.at(layer)
+        x_norm = np.empty_like(x)  # (n, d)
+        chosen, weights = np.empty((n, k), np.int32), np.empty((n, k), np.float32)
+        route_ref(x, norm, eps, router, x_norm, chosen, weights, experts.res, at, experts.lookups, experts.hits)
+        h = np.empty((n, k, experts.host_gate_up.shape[1] // 2), np.float32)  # (n, K, F)
+        expert_gate_up_ref(x_norm, chosen, experts.res, at, experts.slot_gate_up, experts.host_gate_up, h)
+        expert_down_ref(h, chosen, weights, experts.res, at, experts.slot_down, experts.host_down, x)
+        return x
     # --8<-- [end:numpy_ops]

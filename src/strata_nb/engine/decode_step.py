@@ -130,6 +130,8 @@ class DeviceStep:
         """One step's launches, queued: replayed from the graph once there is one (captured
         on the second step: the first compiles every kernel). Returns an event that fires
         when the step is done."""
+        if self.weights.experts is not None:
+            self.weights.experts.after_pass()  # the expert cache adapts between steps, not inside one
         if self.graph is None and self.use_graph and self.logits is not None:
             from ..backend.cuda_graph import StepGraph
 

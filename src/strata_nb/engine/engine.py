@@ -65,7 +65,32 @@ class Engine:
         self.kv = KVCache(be, self.config, settings)
         if self.kv.streamed:
             print(self.kv.describe(), file=sys.stderr)
+        if self.config.n_expert:
+            self._expert_cache(shared)
+        elif settings.fault == "expert-early-resident":
+            raise SettingError("fault", "'expert-early-resident' breaks the expert cache: it needs an MoE model")
         self.last_stats = RunStats()
+
+    def _expert_cache(self, shared: "Engine | None"):
+        """An MoE model's expert cache, sized once the KV cache has taken its memory; a derived
+        engine with the same expert settings shares its parent's."""
+        from dataclasses import replace
+
+        from ..experts.cache import ExpertCache, expert_slots_for
+
+        s = self.settings
+        keys = ("expert_cache", "adapt_every", "adapt_swaps", "vram_reserve_mib", "fault")
+        if shared is not None and all(getattr(s, k) == getattr(shared.settings, k) for k in keys):
+            return
+        n = expert_slots_for(s.expert_cache, self.be, self.model, s.vram_reserve_mib)
+        every = self.config.n_layers * self.config.n_expert
+        if s.fault == "expert-early-resident" and n in (0, every):
+            raise SettingError("fault", f"'expert-early-resident' breaks moving experts into slots: it needs "
+                                        f"--expert-cache between 1 and {every - 1} (it is {n})")
+        cache = ExpertCache(self.be, self.model, n, s.adapt_every, s.adapt_swaps, s.fault)
+        self.weights = replace(self.weights, experts=cache)
+        if n < every:
+            print(cache.describe(), file=sys.stderr)
 
     @classmethod
     def load(cls, model: str | None = None, kv: str = "fp16", kv_resident: int = 0, device: str = "auto",
@@ -152,7 +177,10 @@ class Engine:
         part = np.asarray(ids, np.int32)
         pos = np.arange(start, start + len(part), dtype=np.int32)
         with self.be.deferred_frees():
-            return self.be.to_numpy(forward(self.be, self.weights, self.kv, part, pos, prompt, all_logits))
+            logits = self.be.to_numpy(forward(self.be, self.weights, self.kv, part, pos, prompt, all_logits))
+        if self.weights.experts is not None:
+            self.weights.experts.after_pass()  # the expert cache adapts between passes
+        return logits
 
     def _in_chunks(self, ids, begin: int, end: int, size: int, prompt: bool, all_logits: bool):
         """ids[begin:end] in runs of `size`: yields (start, logits)."""
@@ -190,6 +218,8 @@ class Engine:
     def generate_ids(self, ids: list[int], s: SamplingSettings, on_token=None, on_prefill=None) -> Iterator[str]:
         rng = np.random.default_rng(s.seed)
         stats = self.last_stats = RunStats(prompt_tokens=len(ids))
+        experts = self.weights.experts
+        experts_before = experts.stats() if experts is not None else None
         decoder = StreamDecoder(self.tokenizer)
         t0 = time.perf_counter()
         logits = self.prefill(ids, on_chunk=on_prefill)
@@ -218,6 +248,8 @@ class Engine:
         finally:
             later.close()  # waits for a step queued past the stop
         stats.decode_seconds = time.perf_counter() - t0
+        if experts is not None:
+            stats.extra["experts"] = experts.stats().since(experts_before).as_dict()
         tail = decoder.flush()
         if tail:
             yield tail

@@ -36,8 +36,8 @@ def forward(be, w: ModelWeights, kv, ids, positions, prompt: bool, all_logits: b
         if L.router is None:  # a dense FFN
             gate_up = be.normed_matmul(x, L.ffn_norm, eps, L.wgate_up, ahead=L.wdown)  # (n, 2 ff)
             be.gated_matmul_add_(x, gate_up, L.wdown, ahead=after)  # x += swiglu(gate_up) Wdown
-        else:  # experts: each token's k of E SwiGLU FFNs, weighted by the router (kernels/experts/moe.py)
-            be.moe_ffn_add_(x, L.ffn_norm, eps, L.router, L.experts_gate_up, L.experts_down, cfg.n_expert_used)
+        else:  # experts: each token's K of E SwiGLU FFNs, weighted by the router, from the expert cache
+            be.moe_ffn_add_(x, L.ffn_norm, eps, L.router, w.experts, layer)
     if not all_logits:
         x = x[n - 1:]
     return be.normed_matmul(x, w.output_norm, eps, w.output, ahead=w.layers[0].wqkv)  # the next step's first

@@ -1,8 +1,9 @@
 """The model's weights, placed on a backend in the form its ops want.
 
 q|k|v and gate|up are stacked by rows so a layer's projections are two matmuls, not five.
-A mixture-of-experts layer (cfg.n_expert > 0) has no dense FFN: a router and E experts,
-each a gate|up matrix and a down matrix of its own (kernels/experts/moe.py runs them).
+A mixture-of-experts layer (cfg.n_expert > 0) has no dense FFN: a router here, and E
+experts, each a gate|up matrix and a down matrix of its own, which the expert cache holds
+(experts/cache.py; the engine builds it once the KV cache has taken its memory).
 """
 from __future__ import annotations
 
@@ -21,9 +22,7 @@ class LayerWeights:
     ffn_norm: object  # (d,) float32
     wgate_up: object = None  # (2*ff, d): gate rows, then up rows (None in an MoE layer)
     wdown: object = None  # (d, ff)
-    router: object = None  # (E, d) float32: one logit per expert (None in a dense layer)
-    experts_gate_up: list | None = None  # E matrices (2*ff_e, d): expert e's gate rows, then its up rows
-    experts_down: list | None = None  # E matrices (d, ff_e)
+    router: object = None  # (E, d): one logit per expert (None in a dense layer)
 
 
 @dataclass(slots=True)
@@ -35,6 +34,7 @@ class ModelWeights:
     layers: list[LayerWeights]
     rope_cos: object  # (context_length, hd/2) float32
     rope_sin: object  # (context_length, hd/2) float32
+    experts: object = None  # an MoE model's ExpertCache (experts/cache.py), set by the engine
 
 
 # --8<-- [start:rope_tables]
@@ -58,7 +58,7 @@ def load_weights(be, model: GGUFModel) -> ModelWeights:
     layers = []
     for i in range(cfg.n_layers):
         p = f"blk.{i}."
-        ffn = _experts(be, model, p) if cfg.n_expert else dict(
+        ffn = _router(be, model, p) if cfg.n_expert else dict(
             wgate_up=be.matrix(t(p + "ffn_gate.weight"), t(p + "ffn_up.weight")),
             wdown=be.matrix(t(p + "ffn_down.weight")))
         layers.append(LayerWeights(
@@ -75,16 +75,8 @@ def load_weights(be, model: GGUFModel) -> ModelWeights:
                         be.asarray(cos), be.asarray(sin))
 
 
-def _experts(be, model: GGUFModel, p: str) -> dict:
-    """An MoE layer's FFN, as llama.cpp stores it: the router ffn_gate_inp (E, d) and the 3-D
-    ffn_gate_exps, ffn_up_exps (E, ff_e, d) and ffn_down_exps (E, d, ff_e), where the
-    model's feed_forward_length is ff_e, one expert's width."""
+def _router(be, model: GGUFModel, p: str) -> dict:
+    """An MoE layer's router, ffn_gate_inp (E, d) as llama.cpp stores it."""
     cfg = model.config
-    e, d, ff = cfg.n_expert, cfg.d_model, cfg.d_ff
-    gates = model.experts(p + "ffn_gate_exps.weight", e, ff, d)
-    ups = model.experts(p + "ffn_up_exps.weight", e, ff, d)
-    downs = model.experts(p + "ffn_down_exps.weight", e, d, ff)
-    return dict(router=be.matrix(model.tensor(p + "ffn_gate_inp.weight", shape=(e, d))),
-                experts_gate_up=[be.matrix(g, u) for g, u in zip(gates, ups)],
-                experts_down=[be.matrix(down) for down in downs])
+    return dict(router=be.matrix(model.tensor(p + "ffn_gate_inp.weight", shape=(cfg.n_expert, cfg.d_model))))
 # --8<-- [end:load_weights]

@@ -1,0 +1,78 @@
+"""The expert path on the cuda backend, whole engine: against the numpy backend, and any
+cache size against all-resident, bit for bit, through the host path and the device step
+(a CUDA graph on a GPU); the negative control fails it.
+
+The model: a 1-layer random-weight model (d 64, one head of 64) made an MoE of 4 full
+copies of its FFN (ff 64), each token routed to 2 by a random router. Under the simulator
+every CUDA thread is a Python thread, so the prompt is 3 tokens and there are 4 steps.
+
+Tolerance against numpy: as test_cuda_backend_forward.py, 1e-3 of the largest logit.
+Against all-resident on the same backend: none (the kernels read the same bytes from a
+slot as from the host copy, in the same order).
+"""
+import numpy as np
+import pytest
+
+from strata_nb import Engine
+from strata_nb.model.moefy import moefy
+from strata_nb.model.synthetic import write_synthetic_gguf
+from strata_nb.settings import SamplingSettings
+
+pytestmark = pytest.mark.sim_engine
+PROMPT = [40, 77, 101]
+STEPS = 4
+LOGIT_ATOL = 1e-3  # times the largest |logit|
+
+
+@pytest.fixture(scope="module")
+def copies(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("experts_engine")
+    dense = write_synthetic_gguf(folder / "dense.gguf", n_layers=1, d_model=64, d_ff=64, n_heads=1, n_kv_heads=1,
+                                 head_dim=64, seed=4)
+    return str(moefy(dense, folder / "copies.gguf", "copies", 4, used=2, seed=2))
+
+
+def logits_of(path, device, slots, **more):
+    eng = Engine.load(model=path, device=device, max_context=64, expert_cache=slots, adapt_every=1, **more)
+    out = [eng.prefill(PROMPT)]
+    token = int(np.argmax(out[0]))
+    for pos in range(len(PROMPT), len(PROMPT) + STEPS):
+        out.append(eng.decode_one_token(token, pos))
+        token = int(np.argmax(out[-1]))
+    return np.stack(out), eng
+
+
+@pytest.fixture(scope="module")
+def cuda_resident(copies):
+    return logits_of(copies, "cuda", "auto")[0]
+
+
+def test_cuda_experts_match_numpy(copies, cuda_resident):
+    want, _ = logits_of(copies, "cpu", "auto")
+    scale = np.abs(want).max(axis=1, keepdims=True)
+    assert (np.abs(cuda_resident - want) <= LOGIT_ATOL * scale).all()
+    assert (cuda_resident.argmax(1) == want.argmax(1)).all()
+
+
+def test_one_slot_gives_the_all_resident_logits_bit_for_bit(copies, cuda_resident):
+    got, eng = logits_of(copies, "cuda", 1)
+    np.testing.assert_array_equal(got, cuda_resident)
+    stats = eng.weights.experts.stats()
+    assert stats.swaps > 0 and 0 < stats.hits < stats.lookups
+
+
+def test_the_device_step_with_a_small_cache_decodes_the_same_tokens(copies):
+    """generate: greedy tokens picked on the device (run_ahead), the cache adapting between steps."""
+    runs = {}
+    for slots in ("auto", 2):
+        eng = Engine.load(model=copies, device="cuda", max_context=64, expert_cache=slots, adapt_every=1)
+        tokens = []
+        list(eng.generate_ids(PROMPT, SamplingSettings(max_tokens=STEPS + 1), on_token=tokens.append))
+        runs[slots] = tokens, eng.last_stats.extra["experts"]
+    assert runs[2][0] == runs["auto"][0]
+    assert runs[2][1]["copies"] > 0 and runs["auto"][1]["hit_rate"] == 1.0
+
+
+def test_negative_control_early_resident_is_caught(copies, cuda_resident):
+    got, _ = logits_of(copies, "cuda", 2, fault="expert-early-resident")
+    assert not np.array_equal(got, cuda_resident)
