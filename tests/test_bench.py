@@ -197,9 +197,31 @@ def test_the_report_has_a_section_per_profiled_step(tmp_path):
     (["--runs", "0"], "--runs and --decode-tokens must be >= 1"),
     (["--append"], "--append needs a readable bench.json"),
     (["--max-context", "256"], "streamed rows need --max-context above the minimum resident size"),
+    (["--expert-cache", "50%"], "--expert-cache benches an MoE model's expert cache; this model is dense"),
+    (["--expert-cache", "half"], "--expert-cache takes shares of the experts from 0% to 100%"),
+    (["--expert-cache", "150%"], "--expert-cache takes shares of the experts from 0% to 100%"),
 ])
 def test_bad_input_is_one_line_and_exit_2(more, message, tiny_model, tmp_path, capsys):
     argv = bench_argv(tiny_model, tmp_path / "empty", "--formats", "fp16", "--check-tokens", "0")
     argv += ["--depths", "40"] if "--depths" not in more else []
     code, out, err = run_cli(argv + more, capsys)
     assert code == 2 and message in err and err.count("\n") == 1, err
+
+
+def test_moe_rows_at_each_cache_share_report_the_expert_hit_rate(tiny_model, tmp_path, capsys):
+    """An MoE model (moefy's copies of the tiny model): the resident row, then one per
+    share of the experts cached; their tokens are the all-resident row's, and the check
+    passes for each."""
+    from strata_nb.model.moefy import moefy
+
+    moe = str(moefy(tiny_model, tmp_path / "copies.gguf", "copies", 4, used=2, seed=1))
+    code, out, err = run_cli(bench_argv(moe, tmp_path / "out", "--depths", "40", "--formats", "fp16",
+                                        "--streamed-formats", "", "--expert-cache", "25%,100%"), capsys)
+    assert code == 0, err
+    rows = json.loads((tmp_path / "out" / "bench.json").read_text())["rows"]
+    assert [r["mode"] for r in rows] == ["resident", "resident, experts 2/8 cached", "resident, experts 8/8 cached"]
+    assert rows[0]["experts"]["hit_rate"] == rows[2]["experts"]["hit_rate"] == 1.0
+    assert rows[1]["experts"]["slots"] == 2 and rows[1]["experts"]["hit_rate"] < 1.0
+    assert rows[1]["tokens"] == rows[0]["tokens"] == rows[2]["tokens"]
+    assert all(not r["check"]["broken"] for r in rows)
+    assert "experts 1.000" in (tmp_path / "out" / "bench.md").read_text()

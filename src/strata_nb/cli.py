@@ -265,8 +265,11 @@ def compare_kv_cmd(model, text_file, ctx, formats, budgets, prefill_chunk, devic
               help="Folder for bench.json, bench.md and bench.png.")
 @click.option("--append", is_flag=True,
               help="Add this run's rows, peer rows and profile to the bench.json already in --out.")
+@click.option("--expert-cache", "expert_cache", default=None,
+              help="MoE models: also bench the resident rows with these shares of the experts in VRAM, "
+                   "e.g. 25%,50%,100% (the rest read from pinned host memory).")
 def bench(model, formats, streamed_formats, depths, runs, decode_tokens, check_tokens, peer, profile, device,
-          graph, max_context, out, append):
+          graph, max_context, out, append, expert_cache):
     """Measure prefill and decode tok/s per KV format, resident and streamed, at several depths."""
     from importlib import resources
     from pathlib import Path
@@ -290,7 +293,10 @@ def bench(model, formats, streamed_formats, depths, runs, decode_tokens, check_t
         raise StrataError("--depths needs at least one depth >= 1")
     if runs < 1 or decode_tokens < 1 or check_tokens < 0:
         raise StrataError("--runs and --decode-tokens must be >= 1, --check-tokens >= 0")
+    shares = _shares(expert_cache) if expert_cache is not None else None
     eng = load_engine(model=model, device=device, graph=graph, max_context=max_context)
+    if shares and not eng.config.n_expert:
+        raise StrataError("--expert-cache benches an MoE model's expert cache; this model is dense")
     text = resources.files("strata_nb.data").joinpath("default_document.txt").read_text()
     about = {"model": eng.config.name or str(eng.model.path), "device": _device_name(eng.be),
              "command": "strata-nb " + shlex.join(_ARGV)}
@@ -301,7 +307,7 @@ def bench(model, formats, streamed_formats, depths, runs, decode_tokens, check_t
         partial.write_text(json.dumps(result | about, indent=1))
 
     result = run_bench(eng, text, fmts, streamed, depth_list, runs, decode_tokens, check_tokens, peer, profile,
-                       lambda m: click.echo(m, err=True), progress)
+                       lambda m: click.echo(m, err=True), progress, shares)
     result |= about
     if earlier is not None:
         result = earlier | {k: v for k, v in result.items() if k not in ("rows", "peer", "command")} | {
@@ -310,6 +316,17 @@ def bench(model, formats, streamed_formats, depths, runs, decode_tokens, check_t
     for path in write(result, Path(out)):
         click.echo(str(path))
     partial.unlink(missing_ok=True)
+
+
+def _shares(text: str) -> list[float]:
+    """--expert-cache 25%,50%,100% -> [0.25, 0.5, 1.0]."""
+    try:
+        shares = [float(s.strip().rstrip("%")) / 100 for s in text.split(",") if s.strip()]
+    except ValueError:
+        shares = []
+    if not shares or not all(0 <= s <= 1 for s in shares):
+        raise StrataError(f"--expert-cache takes shares of the experts from 0% to 100%, e.g. 25%,50%,100%; got {text!r}")
+    return shares
 
 
 def _formats(text: str, flag: str, allow_empty: bool = False) -> list[str]:

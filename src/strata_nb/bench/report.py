@@ -28,6 +28,8 @@ def table(result: dict) -> str:
                 check += f", layer 0 bytes {100 * c['layer0']:.3f}% differ"
         gbs = f"{r['gb_s']:,.0f}" + (f" ({100 * r['gb_s'] / bw:.1f}%)" if bw else "")
         hits = "-" if r["hit_rate"] is None else f"{r['hit_rate']:.3f}"
+        if r.get("experts"):  # an MoE row: the expert cache's hit rate (KV streaming has none here)
+            hits = f"experts {r['experts']['hit_rate']:.3f}"
         name = f"{r['fmt']} {r['mode']}"
         if c and c["broken"]:
             name = f"~~{name}~~"

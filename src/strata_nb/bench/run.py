@@ -30,15 +30,21 @@ class Config:
     fmt: str
     streamed: bool
     depth: int  # prompt tokens before the first decode step
+    experts: tuple[int, int] | None = None  # MoE: (VRAM slots, experts in all); None = every expert resident
 
     @property
     def mode(self) -> str:
-        return f"streamed (min resident, QSA {QSA_BUDGET})" if self.streamed else "resident"
+        mode = f"streamed (min resident, QSA {QSA_BUDGET})" if self.streamed else "resident"
+        if self.experts is not None:
+            slots, every = self.experts
+            mode += f", experts {slots}/{every} cached"
+        return mode
 
     def settings(self, kv_window: int) -> dict:
+        experts = {} if self.experts is None else dict(expert_cache=self.experts[0])
         if not self.streamed:
-            return dict(kv=self.fmt, kv_resident=0, qsa_budget=0)
-        return dict(kv=self.fmt, kv_resident=StreamPlan.minimum_cells(kv_window), qsa_budget=QSA_BUDGET)
+            return dict(kv=self.fmt, kv_resident=0, qsa_budget=0) | experts
+        return dict(kv=self.fmt, kv_resident=StreamPlan.minimum_cells(kv_window), qsa_budget=QSA_BUDGET) | experts
 # --8<-- [end:bench_config]
 
 
@@ -57,6 +63,7 @@ class Row:
     gb_s: float  # bytes_per_token * decode tok/s
     hit_rate: float | None  # streamed: VRAM hits / block lookups
     tokens: list[int]  # the first greedy tokens (the prefill's pick first)
+    experts: dict | None = None  # MoE: the expert cache over the timed steps (ExpertStats.as_dict, slots)
     check: dict | None = None
 
 
@@ -67,7 +74,10 @@ def weight_bytes(weights) -> int:
         return a.raw.nbytes if hasattr(a, "raw") else a.nbytes
 
     total = sum(nbytes(getattr(L, f)) for L in weights.layers
-                for f in ("attn_norm", "wqkv", "wo", "ffn_norm", "wgate_up", "wdown"))
+                for f in ("attn_norm", "wqkv", "wo", "ffn_norm", "wgate_up", "wdown", "router")
+                if getattr(L, f) is not None)
+    if weights.experts is not None:  # an MoE layer reads its K chosen experts
+        total += len(weights.layers) * weights.experts.k * weights.experts.expert_bytes
     return total + nbytes(weights.output) + nbytes(weights.output_norm)
 
 
@@ -96,7 +106,7 @@ def run_config(base, cfg: Config, prompt: list[int], runs: int, n_decode: int) -
     warm = base.derive(**changes)  # compile this format's kernels, untimed
     short = prompt[: base.settings.prefill_chunk + 1]  # a full chunk (tiled matmul) and a short one
     decode(warm, warm.device_step(), [int(np.argmax(warm.prefill(short)))], len(short), WARMUP)
-    prefill_rates, decode_rates, tokens, layer0 = [], [], None, None
+    prefill_rates, decode_rates, tokens, layer0, expert_runs = [], [], None, None, []
     for _ in range(runs):
         eng = base.derive(**changes)
         t0 = time.perf_counter()
@@ -107,9 +117,13 @@ def run_config(base, cfg: Config, prompt: list[int], runs: int, n_decode: int) -
         step = eng.device_step()
         run_tokens = [int(np.argmax(logits))]
         pos = decode(eng, step, run_tokens, len(prompt), WARMUP)
+        experts = eng.weights.experts
+        before = experts.stats() if experts is not None else None
         t0 = time.perf_counter()
         decode(eng, step, run_tokens, pos, n_decode)
         decode_rates.append(n_decode / (time.perf_counter() - t0))
+        if experts is not None:
+            expert_runs.append(experts.stats().since(before).as_dict() | {"slots": experts.n_slots})
         if tokens is None:
             tokens = run_tokens
         elif run_tokens != tokens:  # the same prompt must give the same tokens every run
@@ -118,7 +132,15 @@ def run_config(base, cfg: Config, prompt: list[int], runs: int, n_decode: int) -
     per_token = weight_bytes(base.weights) + kv_bytes_read(eng, cfg.depth)
     return Row(cfg.fmt, cfg.mode, cfg.depth, statistics.median(prefill_rates), rate, prefill_rates, decode_rates,
                bool(step is not None and step.use_graph), cfg.depth * token_bytes(cfg.fmt, base.config), per_token,
-               per_token * rate / 1e9, eng.kv.counters.hit_rate if eng.kv.streamed else None, tokens), layer0
+               per_token * rate / 1e9, eng.kv.counters.hit_rate if eng.kv.streamed else None, tokens,
+               _median_run(expert_runs, decode_rates)), layer0
+
+
+def _median_run(expert_runs: list[dict], rates: list[float]) -> dict | None:
+    """The expert cache's figures of the run whose decode rate is the median."""
+    if not expert_runs:
+        return None
+    return expert_runs[sorted(range(len(rates)), key=rates.__getitem__)[len(rates) // 2]]
 # --8<-- [end:bench_one]
 
 
@@ -155,8 +177,11 @@ def profile_depth(depth: int) -> int:
 
 
 def bench(base, text: str, formats: list[str], streamed_formats: list[str], depths: list[int], runs: int,
-          n_decode: int, check_n: int, peer: bool, profile: bool, log, progress=None) -> dict:
+          n_decode: int, check_n: int, peer: bool, profile: bool, log, progress=None,
+          expert_shares: list[float] | None = None) -> dict:
     """Every configuration, the output check, the peer and the profile, as one dict.
+    expert_shares: an MoE model's resident rows again with this share of its experts in VRAM
+    slots each (0.25, 0.5, 1.0), the rest read from host memory.
     check_n: how many of each configuration's first greedy tokens the numpy backend checks.
     progress(result): called with the dict so far after each row, the peer and the
     profile (rows not yet checked have no "check"), so a run cut short keeps its rows."""
@@ -186,10 +211,14 @@ def bench(base, text: str, formats: list[str], streamed_formats: list[str], dept
         measured_depths.append(depth)
         prompt = prompt_of(base, text, depth)
         configs = [Config(f, False, depth) for f in formats] + [Config(f, True, depth) for f in streamed_formats]
+        if expert_shares and base.config.n_expert:
+            every = base.config.n_layers * base.config.n_expert
+            configs += [Config(f, False, depth, (round(share * every), every)) for f in formats for share in expert_shares]
         for cfg in configs:
             row, layer0 = run_config(base, cfg, prompt, runs, n_decode)
             log(f"{cfg.fmt} {cfg.mode} at {depth}: prefill {row.prefill_tok_s:,.0f} tok/s, "
-                f"decode {row.decode_tok_s:,.1f} tok/s")
+                f"decode {row.decode_tok_s:,.1f} tok/s"
+                + (f", expert hit rate {row.experts['hit_rate']:.3f}" if row.experts else ""))
             if pool:
                 checks.append(pool.submit(checking.check_job, asdict(base.settings) | {"model": str(base.model.path)},
                                           cfg.settings(base.settings.kv_window),
