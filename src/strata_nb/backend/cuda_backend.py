@@ -142,8 +142,10 @@ class CudaBackend:
         return host
 
     def expert_slots(self, n: int, host):
-        """n VRAM slots shaped as one of the host copy's matrices."""
-        return cuda.device_array((n, *host.shape[1:]), np.uint8)
+        """n VRAM slots shaped as one of the host copy's matrices, zeroed: a slot read before
+        anything was copied in reads zeros, never an earlier engine's experts (freed device
+        memory is reused)."""
+        return cuda.to_device(np.zeros((n, *host.shape[1:]), np.uint8))
 
     def copy_expert(self, slots, slot: int, host, index: int):
         """slots[slot] <- host[index], on the default stream: after the steps queued so far,

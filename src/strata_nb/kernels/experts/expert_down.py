@@ -5,27 +5,31 @@
 Index legend: T tokens, K experts a token, D model dim, F one expert's FFN width. An
 expert's down matrix is (D, F), as llama.cpp's ffn_down_exps holds it.
 
-One warp computes one output d of one token: for each of the token's K experts in turn
-(the router's order, most probable first) row d of its down matrix dotted with the
-expert's h row, weighted and summed, then added to x once. Each x[t, d] has one writer,
-so there are no atomics and the sum's order is fixed: the reference adds in the same
-order. The grid is (D / warps per block, T).
+One warp computes one output d of one token as a single dot product of K F terms: row d
+of each chosen expert's down matrix, side by side, against the token's K h rows, each
+term scaled by its expert's weight. The lanes take parts across all K experts at once,
+so every lane is busy even when F is small (moefy's split experts are 192 wide: 24 parts)
+and the warp reduces once, not once an expert. Each x[t, d] has one writer, so there are
+no atomics, and the order of the sum never depends on where an expert's rows were read
+from. The grid is (D / warps per block, T).
 
-Tolerance: each dot within matvec's `dot_tolerance` of the reference's; weighted and
-summed over K, plus a rounding of the weighted sum and of the add: within
-sum_r |w_r| dy_r + (K + 1) u (|sum| + |x|).
+Tolerance: the kernel's sum is the dot of the concatenated weighted h rows with the
+concatenated down rows, so matvec's `dot_tolerance` over K F terms bounds it (the weight
+is one rounding more per term, within the bound's factor of 2 over the first-order
+(n + 1) u), plus the rounding of the add to x and of the reference's own weighted sum
+over K: (K + 2) u (|sum| + |x|).
 """
 from __future__ import annotations
 
 import numpy as np
-from numba import cuda, float32
+from numba import cuda, float32, int32
 
 from strata_nb.gpu.geometry import EXPERT_WARPS
 from strata_nb.gpu.launch import DeviceArgs, expect, stream
 from strata_nb.gpu.reduce import WARP, warp_sum
 from strata_nb.kernels.dense.gguf_rows import PART, PARTS, QK, QTYPES, part_runs
 from strata_nb.kernels.dense.matvec import dot_tolerance
-from strata_nb.kernels.experts.expert_rows import expect_table, expert_views, make_expert_part
+from strata_nb.kernels.experts.expert_rows import MAX_USED, expect_table, expert_views, make_expert_part
 
 
 # --8<-- [start:expert_down_ref]
@@ -56,8 +60,9 @@ def down_tolerance(h, chosen, weights, down_of, x):
     t_, k = chosen.shape
     bound = np.zeros(x.shape)
     for t in range(t_):
-        for r in range(k):
-            bound[t] += abs(float(weights[t, r])) * dot_tolerance(h[t, r][None], down_of(int(chosen[t, r])))[0]
+        weighted = np.concatenate([weights[t, r] * h[t, r] for r in range(k)])[None]  # (1, K F)
+        rows = np.concatenate([down_of(int(chosen[t, r])) for r in range(k)], axis=1)  # (D, K F)
+        bound[t] = dot_tolerance(weighted, rows)[0]
     return bound + (k + 2) * 2.0 ** -24 * 2 * np.abs(x.astype(np.float64)) + 1e-30
 # --8<-- [end:expert_down_ref]
 
@@ -77,22 +82,28 @@ def make_expert_down_kernel(part, nibbles):
         lane, warp = cuda.threadIdx.x % WARP, cuda.threadIdx.x // WARP
         o = cuda.blockIdx.x * (cuda.blockDim.x // WARP) + warp  # the output: row o of down
         t = cuda.blockIdx.y
-        f, d = h.shape[2], x.shape[1]
+        f, d, k = h.shape[2], x.shape[1], chosen.shape[1]
+        # The token's K lookups, once for the thread block
+        index = cuda.shared.array(MAX_USED, int32)
+        slot = cuda.shared.array(MAX_USED, int32)
+        if cuda.threadIdx.x < k:
+            index[cuda.threadIdx.x] = at + chosen[t, cuda.threadIdx.x]
+            slot[cuda.threadIdx.x] = res[index[cuda.threadIdx.x]]
+        cuda.syncthreads()
         w = cuda.local.array(PART, float32)
-        total = float32(0.0)
-        for r in range(chosen.shape[1]):
-            index = at + chosen[t, r]
-            slot = res[index]
-            acc = float32(0.0)
-            if o < d:
-                for q in range(lane, f // PART, WARP):
-                    blk, p = q // PARTS, q % PARTS
-                    lo, hi = part_runs(nibbles, p)
-                    lo, hi = blk * QK + lo, blk * QK + hi
-                    expert_part(slot_a, slot_b, host_a, host_b, slot, index, o, blk, p, w)
-                    for i in range(4):
-                        acc += w[i] * h[t, r, lo + i] + w[4 + i] * h[t, r, hi + i]
-            total += weights[t, r] * warp_sum(acc)
+        acc = float32(0.0)
+        parts = f // PART  # parts of one expert's row
+        if o < d:
+            for q in range(lane, k * parts, WARP):  # the K rows side by side
+                r, pr = q // parts, q % parts
+                blk, p = pr // PARTS, pr % PARTS
+                lo, hi = part_runs(nibbles, p)
+                lo, hi = blk * QK + lo, blk * QK + hi
+                expert_part(slot_a, slot_b, host_a, host_b, slot[r], index[r], o, blk, p, w)
+                wr = weights[t, r]
+                for i in range(4):
+                    acc += wr * (w[i] * h[t, r, lo + i] + w[4 + i] * h[t, r, hi + i])
+        total = warp_sum(acc)  # every warp calls it: a barrier under the simulator
         if lane == 0 and o < d:
             x[t, o] += total
 
@@ -112,6 +123,7 @@ def expert_down(h, chosen, weights, res, at, slots, host, qtype, x):
     expect("h", h, np.float32, (n, None, None))
     k, f = h.shape[1:]
     expect("chosen", chosen, np.int32, (n, k))
+    assert k <= MAX_USED, f"K = {k} experts a token; the kernel holds at most {MAX_USED}"
     expect("weights", weights, np.float32, (n, k))
     expect_table(res, res, res, at, 1)
     if n == 0 or d == 0:

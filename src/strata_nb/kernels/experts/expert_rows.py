@@ -18,6 +18,8 @@ from numba import cuda
 from strata_nb.gpu.launch import expect, view_bytes
 from strata_nb.kernels.dense.gguf_rows import QTYPES, row_bytes
 
+MAX_USED = 8  # K: the experts a token takes, at most
+
 
 # --8<-- [start:expert_part]
 def make_expert_part(part):

@@ -37,11 +37,10 @@ from strata_nb.gpu.reduce import WARP, block_sum, warp_sum
 from strata_nb.kernels.dense.gguf_rows import PART, PARTS, QK, QTYPES, part_runs, row_bytes, weight_views
 from strata_nb.kernels.dense.matvec import dot_tolerance
 from strata_nb.kernels.dense.rmsnorm import inv_rms, rmsnorm_ref
-from strata_nb.kernels.experts.expert_rows import expect_table
+from strata_nb.kernels.experts.expert_rows import MAX_USED, expect_table
 from strata_nb.kernels.experts.moe import moe_route_ref
 
 MAX_EXPERTS = 64  # logits a thread block holds in shared memory
-MAX_USED = 8  # K: the experts a token takes
 U = 2.0 ** -24  # float32 unit roundoff
 
 
@@ -118,7 +117,10 @@ def make_route_kernel(part, nibbles):
             if lane == 0 and e < n_expert:
                 p[e] = total
         cuda.syncthreads()
-        if tid == 0:
+        picked = cuda.shared.array(MAX_USED, int32)  # (K,) the chosen ids, most probable first
+        picked_p = cuda.shared.array(MAX_USED, float32)  # (K,) their probabilities
+        kept = cuda.shared.array(1, float32)  # the K probabilities' sum
+        if tid == 0:  # E and K steps of scalar work, all in shared memory
             top = p[0]
             for e in range(1, n_expert):
                 top = max(top, p[e])
@@ -128,22 +130,25 @@ def make_route_kernel(part, nibbles):
                 total += p[e]
             for e in range(n_expert):
                 p[e] = p[e] / total  # the softmax over all E, as the reference takes its top K from
-            picked = cuda.local.array(MAX_USED, float32)
-            kept = float32(0.0)
+            kept[0] = float32(0.0)
             for r in range(k):  # K rounds of argmax; a taken expert's p becomes -1
                 best, best_p = 0, float32(-1.0)
                 for e in range(n_expert):
                     if p[e] > best_p:  # strictly greater: a tie goes to the lower id
                         best, best_p = e, p[e]
-                chosen[t, r] = best
-                picked[r] = best_p
-                kept += best_p
+                picked[r], picked_p[r] = best, best_p
+                kept[0] += best_p
                 p[best] = float32(-1.0)
-                cuda.atomic.add(lookups, at + best, int32(1))
-                if res[at + best] >= 0:
-                    cuda.atomic.add(hits, at + best, int32(1))
-            for r in range(k):
-                weights[t, r] = picked[r] / kept
+        cuda.syncthreads()
+        # The writes and the cache's counting, one thread per chosen expert: in parallel,
+        # because each is a round trip to global memory.
+        if tid < k:
+            e = picked[tid]
+            chosen[t, tid] = e
+            weights[t, tid] = picked_p[tid] / kept[0]
+            cuda.atomic.add(lookups, at + e, int32(1))
+            if res[at + e] >= 0:
+                cuda.atomic.add(hits, at + e, int32(1))
 
     return route_kernel
 
