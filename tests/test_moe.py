@@ -231,7 +231,8 @@ def test_cuda_backend_refuses_more_experts_than_its_router_holds(dense):
     from strata_nb.backend.cuda_backend import CudaBackend
 
     cfg = GGUFModel(dense()).config
-    with pytest.raises(StrataError, match="router takes at most 64 experts and 8 a token; this model has 65 and 2"):
+    with pytest.raises(StrataError, match="expert kernels take at most 64 experts, 8 a token and a model dim of "
+                                          "8192; this model has 65, 2 and 128"):
         CudaBackend().check_model(replace(cfg, n_expert=65, n_expert_used=2), qsa=False)
 
 

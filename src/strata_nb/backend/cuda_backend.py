@@ -20,7 +20,7 @@ from ..errors import StrataError
 from ..kernels.dense import embed, gguf_rows, matmul, matvec, residual, rmsnorm, rope, swiglu
 from ..kernels.experts.expert_down import expert_down
 from ..kernels.experts.expert_gate_up import expert_gate_up
-from ..kernels.experts.route import MAX_EXPERTS, MAX_USED, route
+from ..kernels.experts.route import MAX_DIM, MAX_EXPERTS, MAX_USED, route
 from ..gpu.launch import device_empty
 from ..model.dequant import dequantize
 
@@ -80,9 +80,10 @@ class CudaBackend:
         from ..kernels.attention import attention_step
         from ..kernels.step import block_scores
 
-        if cfg.n_expert > MAX_EXPERTS or cfg.n_expert_used > MAX_USED:
-            raise StrataError(f"the cuda backend's router takes at most {MAX_EXPERTS} experts and {MAX_USED} a token; "
-                              f"this model has {cfg.n_expert} and {cfg.n_expert_used} (use --device cpu)")
+        if cfg.n_expert and (cfg.n_expert > MAX_EXPERTS or cfg.n_expert_used > MAX_USED or cfg.d_model > MAX_DIM):
+            raise StrataError(f"the cuda backend's expert kernels take at most {MAX_EXPERTS} experts, {MAX_USED} a "
+                              f"token and a model dim of {MAX_DIM}; this model has {cfg.n_expert}, "
+                              f"{cfg.n_expert_used} and {cfg.d_model} (use --device cpu)")
         group = cfg.n_heads // cfg.n_kv_heads
         if cfg.head_dim not in attention_step.HEAD_DIMS or group > attention_step.MAX_GROUP:
             raise StrataError(f"the cuda backend's attention is built for head_dim in {attention_step.HEAD_DIMS} "

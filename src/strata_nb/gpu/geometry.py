@@ -28,7 +28,7 @@ MATMUL_SIDE = on_gpu(16, simulator=8)  # the thread block is SIDE x SIDE threads
 RMSNORM_THREADS = on_gpu(128, simulator=32)  # threads per row
 
 # ---- experts: kernels/experts/ ---------------------------------------------------------
-ROUTE_THREADS = on_gpu(128, simulator=64)  # threads of a token's router block: a warp per expert at a time
+ROUTE_THREADS = on_gpu(256, simulator=64)  # threads of a token's router block: a warp per expert at a time
 EXPERT_WARPS = on_gpu(4, simulator=1)  # rows of an expert matrix per thread block, a warp each
 
 # ---- attention: kernels/attention/ -----------------------------------------------------

@@ -71,6 +71,16 @@ def down_tolerance(h, chosen, weights, down_of, x):
 def make_expert_down_kernel(part, nibbles):
     expert_part = make_expert_part(part)
 
+    @cuda.jit(device=True)
+    def expert_terms(w, h, t, r, blk, p, weight):
+        """weight * (part p of block blk of expert r's down row) . (the same part of its h row)"""
+        lo, hi = part_runs(nibbles, p)
+        lo, hi = blk * QK + lo, blk * QK + hi
+        acc = float32(0.0)
+        for i in range(4):
+            acc += weight * (w[i] * h[t, r, lo + i] + w[4 + i] * h[t, r, hi + i])
+        return acc
+
     @cuda.jit
     def expert_down_kernel(h,               # (T, K, F) float32
                            chosen,          # (T, K) int32
@@ -83,26 +93,33 @@ def make_expert_down_kernel(part, nibbles):
         o = cuda.blockIdx.x * (cuda.blockDim.x // WARP) + warp  # the output: row o of down
         t = cuda.blockIdx.y
         f, d, k = h.shape[2], x.shape[1], chosen.shape[1]
-        # The token's K lookups, once for the thread block
+        # The token's K lookups, once for the thread block, in shared memory
         index = cuda.shared.array(MAX_USED, int32)
         slot = cuda.shared.array(MAX_USED, int32)
         if cuda.threadIdx.x < k:
             index[cuda.threadIdx.x] = at + chosen[t, cuda.threadIdx.x]
             slot[cuda.threadIdx.x] = res[index[cuda.threadIdx.x]]
         cuda.syncthreads()
-        w = cuda.local.array(PART, float32)
+        # Two parts a round, each into its own array, so both loads are in flight before
+        # either is used: a warp's time here is a chain of memory round trips, and this
+        # halves its length. The sum's order is still part q, then q + 32, ...
+        w0 = cuda.local.array(PART, float32)
+        w1 = cuda.local.array(PART, float32)
         acc = float32(0.0)
         parts = f // PART  # parts of one expert's row
+        n = k * parts  # the K rows side by side
         if o < d:
-            for q in range(lane, k * parts, WARP):  # the K rows side by side
-                r, pr = q // parts, q % parts
-                blk, p = pr // PARTS, pr % PARTS
-                lo, hi = part_runs(nibbles, p)
-                lo, hi = blk * QK + lo, blk * QK + hi
-                expert_part(slot_a, slot_b, host_a, host_b, slot[r], index[r], o, blk, p, w)
-                wr = weights[t, r]
-                for i in range(4):
-                    acc += wr * (w[i] * h[t, r, lo + i] + w[4 + i] * h[t, r, hi + i])
+            for q0 in range(lane, n, 2 * WARP):
+                q1 = q0 + WARP
+                r0, r1 = q0 // parts, q1 // parts
+                blk0, p0 = (q0 % parts) // PARTS, (q0 % parts) % PARTS
+                blk1, p1 = (q1 % parts) // PARTS, (q1 % parts) % PARTS
+                expert_part(slot_a, slot_b, host_a, host_b, slot[r0], index[r0], o, blk0, p0, w0)
+                if q1 < n:
+                    expert_part(slot_a, slot_b, host_a, host_b, slot[r1], index[r1], o, blk1, p1, w1)
+                acc += expert_terms(w0, h, t, r0, blk0, p0, weights[t, r0])
+                if q1 < n:
+                    acc += expert_terms(w1, h, t, r1, blk1, p1, weights[t, r1])
         total = warp_sum(acc)  # every warp calls it: a barrier under the simulator
         if lane == 0 and o < d:
             x[t, o] += total

@@ -15,10 +15,13 @@ its statistics, each lookup of an expert and whether it was a hit (resident in a
 `lookups[layer * E + e]` and `hits[layer * E + e]` only ever grow, so the host can read
 them between steps and take differences (experts/cache.py).
 
-One thread block per token. Its threads first norm the token's row (as rmsnorm.py does),
-then each warp takes experts in turn and dots the normed row with the expert's router row
-(as matvec's plain kernel does a row of W). The softmax and top-K are E and K steps of
-scalar work: thread 0 does them from shared memory.
+One thread block per token. Its threads first norm the token's row (as rmsnorm.py does)
+into shared memory, then each warp takes experts in turn and dots the normed row with the
+expert's router row (as matvec's plain kernel does a row of W). The softmax and top-K are
+E and K steps of scalar work: thread 0 does them in shared memory; then K threads write
+the choices and count them, in parallel. A decode step has one such block: it is a chain
+of memory round trips, and the kernel is shaped to keep the chain short (the row in
+shared memory, a warp per expert, the K writes side by side).
 
 Tolerance: the ids must equal the reference's; the weights are within `weights_tolerance`
 (see there). Ids can differ only where two experts' probabilities are within the logits'
@@ -41,6 +44,7 @@ from strata_nb.kernels.experts.expert_rows import MAX_USED, expect_table
 from strata_nb.kernels.experts.moe import moe_route_ref
 
 MAX_EXPERTS = 64  # logits a thread block holds in shared memory
+MAX_DIM = 8192  # D: the normed row a thread block holds in shared memory (32 KiB)
 U = 2.0 ** -24  # float32 unit roundoff
 
 
@@ -90,14 +94,19 @@ def make_route_kernel(part, nibbles):
         t, tid = cuda.blockIdx.x, cuda.threadIdx.x
         lane, warp, n_warps = tid % WARP, tid // WARP, cuda.blockDim.x // WARP
         d, n_expert, k = x.shape[1], ra.shape[0], chosen.shape[1]
-        # The norm, as rmsnorm_kernel: each thread a strided share of the row.
+        # The norm, as rmsnorm_kernel: each thread a strided share of the row. The normed
+        # row is kept in shared memory too: the logits read it from there, not back from
+        # global memory (each read of global memory is a round trip this one block waits for).
+        row = cuda.shared.array(MAX_DIM, float32)  # (D,) the normed row
         squares = float32(0.0)
         for j in range(tid, d, cuda.blockDim.x):
-            squares += x[t, j] * x[t, j]
-        inv = inv_rms(block_sum(squares), d, eps)
+            row[j] = x[t, j]
+            squares += row[j] * row[j]
+        inv = inv_rms(block_sum(squares), d, eps)  # block_sum's barrier: row is written
         for j in range(tid, d, cuda.blockDim.x):
-            x_norm[t, j] = x[t, j] * inv * norm[j]
-        cuda.syncthreads()  # the normed row is written before any warp reads it
+            row[j] = row[j] * inv * norm[j]
+            x_norm[t, j] = row[j]
+        cuda.syncthreads()  # the normed row is whole before any warp reads it
         # One logit per expert: warp w takes experts w, w + n_warps, ...; every warp runs
         # the same number of rounds, because warp_sum is a block-wide barrier under the simulator.
         p = cuda.shared.array(MAX_EXPERTS, float32)  # (E,) logits, then probabilities
@@ -112,7 +121,7 @@ def make_route_kernel(part, nibbles):
                     lo, hi = part_runs(nibbles, part_index)
                     lo, hi = blk * QK + lo, blk * QK + hi
                     for j in range(4):
-                        acc += w[j] * x_norm[t, lo + j] + w[4 + j] * x_norm[t, hi + j]
+                        acc += w[j] * row[lo + j] + w[4 + j] * row[hi + j]
             total = warp_sum(acc)
             if lane == 0 and e < n_expert:
                 p[e] = total
@@ -162,6 +171,7 @@ def route(x, norm, eps, raw, qtype, x_norm, chosen, weights, res, at, lookups, h
     uint8 of type qtype. NumPy arguments are moved (outputs written back)."""
     expect("x", x, np.float32, (None, None))
     n, d = x.shape
+    assert d <= MAX_DIM, f"D = {d}; the router kernel holds a row of at most {MAX_DIM}"
     expect("norm", norm, np.float32, (d,))
     expect("raw", raw, np.uint8, (None, row_bytes(qtype, d)))
     n_expert = raw.shape[0]
