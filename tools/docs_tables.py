@@ -6,10 +6,14 @@ figure is typed by hand (tests/test_docs.py checks both are up to date):
   (the latest `strata-nb bench` run);
 - docs/measured/lessons/<id>.md: each "How it got fast" section's before/after figure,
   and docs/measured/lessons/all.md, every figure in one table, from
-  docs/measured/lessons.json.
+  docs/measured/lessons.json;
+- docs/measured/experts/experts.md: the MoE bench table (the dense model, the split
+  E = K file, the copies file at each expert-cache size), from the `strata-nb bench`
+  files in docs/measured/experts/, and on a plain run its plot,
+  docs/assets/expert_hit_rate.png (matplotlib, the `bench` extra).
 
     python tools/docs_tables.py           # rewrite them
-    python tools/docs_tables.py --check   # exit 1 if any is out of date
+    python tools/docs_tables.py --check   # exit 1 if any table is out of date (the plot is not checked)
 """
 from __future__ import annotations
 
@@ -23,6 +27,9 @@ BENCH_JSON = ROOT / "docs" / "measured" / "bench" / "bench.json"
 LESSONS_JSON = ROOT / "docs" / "measured" / "lessons.json"
 LESSONS_DIR = ROOT / "docs" / "measured" / "lessons"
 README = ROOT / "README.md"
+EXPERTS_DIR = ROOT / "docs" / "measured" / "experts"  # dense.json, split.json, copies.json: one bench run each
+EXPERTS_MD = EXPERTS_DIR / "experts.md"
+EXPERTS_PNG = ROOT / "docs" / "assets" / "expert_hit_rate.png"
 START = "<!-- bench-table: written by python tools/docs_tables.py from docs/measured/bench/bench.json -->"
 END = "<!-- /bench-table -->"
 
@@ -75,6 +82,152 @@ def all_lessons_table(lessons: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+# ---- the expert cache: docs/measured/experts/ ---------------------------------------
+
+def moe_kind(bench: dict) -> str:
+    """The file a bench ran, from its model name: moefy appends "MoE <kind> E<n> K<k>"."""
+    return bench["model"].split(" MoE ", 1)[1] if " MoE " in bench["model"] else "dense"
+
+
+def cached(row: dict) -> str:
+    """How many experts a row held in VRAM slots: the bench's mode says "experts N/M
+    cached" for a --expert-cache share; a plain row is the engine's default, auto."""
+    if row["experts"] is None:
+        return "dense FFN"
+    m = re.search(r"experts (\d+)/(\d+) cached", row["mode"])
+    if m is None:  # all_resident() checks it held every expert
+        return f"all {row['experts']['slots']:,} (auto)"
+    slots, every = int(m.group(1)), int(m.group(2))
+    return f"{slots:,} of {every:,} ({100 * slots / every:.0f}%)"
+
+
+def share(x: float) -> str:
+    return f"{100 * x:.0f}%"
+
+
+KIND_ORDER = ("dense", "split", "copies")  # the dense model, then the exact oracle, then the cache's workload
+
+
+def expert_benches() -> dict[str, dict]:
+    """{kind: bench} for each bench file in docs/measured/experts/ (its path added as
+    "file"), in KIND_ORDER."""
+    benches = {}
+    for path in sorted(EXPERTS_DIR.glob("*.json")):
+        bench = json.loads(path.read_text()) | {"file": path.relative_to(ROOT).as_posix()}
+        benches[moe_kind(bench)] = bench
+    assert "dense" in benches, f"{EXPERTS_DIR.relative_to(ROOT)} has no dense model's bench"
+    order = {kind: i for i, kind in enumerate(KIND_ORDER)}
+    return dict(sorted(benches.items(), key=lambda kv: (order.get(kv[0].split()[0], len(order)), kv[0])))
+
+
+def all_resident(bench: dict) -> dict:
+    """{depth: the row with the engine's default cache}: every expert resident (checked),
+    the row the others are measured against."""
+    base = {r["depth"]: r for r in bench["rows"] if r["mode"] == "resident"}
+    for r in base.values():
+        x = r["experts"]
+        assert x is None or x["hits"] == x["lookups"], f"{bench['model']}: its plain row is not all-resident: {x}"
+    return base
+
+
+def experts_table(benches: dict[str, dict]) -> str:
+    """One row per file and expert-cache size: at each depth the cache's hit rate over
+    the timed steps, decode tok/s, and the rate against the same file all-resident; then
+    each split K = E file against the dense model."""
+    depths = sorted({r["depth"] for b in benches.values() for r in b["rows"]})
+    head = ["file", "experts in VRAM slots"]
+    for d in depths:
+        head += [f"hit rate at {d:,}", f"decode tok/s at {d:,}", f"of all-resident at {d:,}"]
+    lines = ["| " + " | ".join(head) + " |", "| --- | --- |" + " ---: |" * (len(head) - 2)]
+    for kind, bench in benches.items():
+        base = all_resident(bench)
+        by = {}
+        for r in bench["rows"]:
+            by.setdefault(cached(r), {})[r["depth"]] = r
+        for label, at in by.items():
+            cells = [kind, label]
+            for d in depths:
+                r = at.get(d)
+                if r is None:
+                    cells += ["-", "-", "-"]
+                    continue
+                hit = share(r["experts"]["hit_rate"]) if r["experts"] else "-"
+                vs = "-" if r["mode"] == "resident" else share(r["decode_tok_s"] / base[d]["decode_tok_s"])
+                cells += [hit, rate(r["decode_tok_s"]), vs]
+            lines.append("| " + " | ".join(cells) + " |")
+    moved = ["| file | experts in VRAM slots | depth | copies into slots | of them swaps | MiB moved |",
+             "| --- | --- | ---: | ---: | ---: | ---: |"]
+    for kind, bench in benches.items():
+        for r in bench["rows"]:
+            if r["experts"] and r["mode"] != "resident":
+                x = r["experts"]
+                moved.append(f"| {kind} | {cached(r)} | {r['depth']:,} | {x['copies']:,} | {x['swaps']:,} | "
+                             f"{x['bytes_moved'] / 2**20:,.0f} |")
+    lines += ["", "What the cache moved over the same timed steps (the copies are part of the steps' time):", "",
+              *moved]
+    dense = all_resident(benches["dense"])
+    against = []
+    for kind, bench in benches.items():
+        e, k = re.fullmatch(r"\w+ E(\d+) K(\d+)", kind).groups() if kind != "dense" else (None, None)
+        if kind.startswith("split") and e == k:
+            base = all_resident(bench)
+            ratios = ", ".join(f"{share(base[d]['decode_tok_s'] / dense[d]['decode_tok_s'])} at {d:,}"
+                               for d in depths if d in base and d in dense)
+            against.append(f"{kind} all-resident against the dense model (every expert used: the dense FFN's "
+                           f"weight bytes, read as {e} experts): {ratios} of its decode tok/s.")
+    first = next(iter(benches.values()))
+    notes = [f"On {first['device']}; medians of {first['runs']} runs of {first['decode_tokens']} decode tokens, "
+             "the hit rate over the median run's timed steps. The depth is the prompt's length in tokens. "
+             "Written by `python tools/docs_tables.py` from these `strata-nb bench` runs:", ""]
+    for kind, bench in benches.items():
+        notes.append(f"- {kind}, `{bench['file']}` ({bench['model']}): `{bench['command']}`")
+    return "\n".join(lines + [""] + against + ([""] if against else []) + notes) + "\n"
+
+
+def experts_plot(benches: dict[str, dict], path: Path) -> None:
+    """Hit rate and decode tok/s against the share of experts cached (the copies file),
+    with the dense model and the split E = K file as reference lines."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    copies = next(b for kind, b in benches.items() if kind.startswith("copies"))
+    depths = sorted({r["depth"] for r in copies["rows"]})
+    fig, (ax_hit, ax_rate) = plt.subplots(1, 2, figsize=(13, 4.2))
+    for i, d in enumerate(depths):
+        pts = []
+        for r in copies["rows"]:
+            m = re.search(r"experts (\d+)/(\d+) cached", r["mode"])
+            if r["depth"] == d and m:
+                pts.append((int(m.group(1)) / int(m.group(2)), r["experts"]["hit_rate"], r["decode_tok_s"]))
+        pts.sort()
+        color = f"C{i}"
+        ax_hit.plot([p[0] for p in pts], [p[1] for p in pts], "-o", color=color, label=f"depth {d:,}")
+        ax_rate.plot([p[0] for p in pts], [p[2] for p in pts], "-o", color=color,
+                     label=f"{moe_kind(copies)}, depth {d:,}")
+        for kind, style in (("dense", "--"), ("split", ":")):
+            ref = next((b for k, b in benches.items() if k.startswith(kind)), None)
+            if ref is not None and d in all_resident(ref):
+                ax_rate.axhline(all_resident(ref)[d]["decode_tok_s"], ls=style, color=color, lw=1,
+                                label=f"{'dense model' if kind == 'dense' else moe_kind(ref) + ' all-resident'}, "
+                                      f"depth {d:,}")
+    ax_hit.set_ylabel("expert hit rate")
+    ax_hit.set_ylim(0, 1.05)
+    ax_rate.set_ylabel("decode tok/s")
+    ax_rate.set_ylim(bottom=0)
+    for ax in (ax_hit, ax_rate):
+        ax.set_xlabel("share of experts in VRAM slots")
+        ax.set_xlim(0, 1.05)
+        ax.xaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
+        ax.grid(True, alpha=0.3)
+    ax_hit.legend(fontsize=7, loc="lower right")
+    ax_rate.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))  # beside the plot, off its lines
+    fig.suptitle(f"The expert cache: {copies['model']} on {copies['device']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def outputs() -> dict[Path, str]:
     """Every generated file's path and the text it must hold."""
     lessons = json.loads(LESSONS_JSON.read_text())["lessons"]
@@ -85,6 +238,7 @@ def outputs() -> dict[Path, str]:
     pattern = re.compile(re.escape(START) + r".*?" + re.escape(END), re.S)
     assert pattern.search(readme), f"README.md has no {START} ... {END} block"
     out[README] = pattern.sub(lambda _: table, readme)
+    out[EXPERTS_MD] = experts_table(expert_benches())
     return out
 
 
@@ -97,6 +251,11 @@ def main(argv: list[str]) -> int:
     LESSONS_DIR.mkdir(parents=True, exist_ok=True)
     for p, text in outputs().items():
         p.write_text(text)
+    try:
+        experts_plot(expert_benches(), EXPERTS_PNG)
+    except ImportError:
+        print(f"not written: {EXPERTS_PNG.relative_to(ROOT)} needs matplotlib (pip install -e '.[bench]')")
+        return 1
     return 0
 
 
