@@ -140,3 +140,33 @@ def test_expert_down_matches_the_reference(qtype, n_slots):
     got = x0.copy()
     expert_down(h, chosen, weights, res, AT, slots_down, host_down, qtype, got)
     assert_within(got, want, down_tolerance(h, chosen, weights, lambda e: f_host[AT + e], want))
+
+
+def test_the_three_references_composed_are_the_spec():
+    """route_ref -> expert_gate_up_ref -> expert_down_ref, reading some experts from slots,
+    equal moe_ffn_ref (kernels/experts/moe.py) on the same float32 weights: the same sums
+    in another order (each expert's weighted output added per expert there, per token in
+    the router's order here), so within 1e-5 of the output's scale."""
+    from strata_nb.kernels.experts.moe import moe_ffn_ref
+    from strata_nb.kernels.dense.rmsnorm import rmsnorm_ref
+
+    rng = np.random.default_rng(6)
+    n_tok = 9
+    host_gu, host_down, slots_gu, slots_down, res, *_ = experts_case("Q4_1", 2)
+    f_host_gu, f_host_down = dq(host_gu, "Q4_1"), dq(host_down, "Q4_1")
+    f_slots_gu, f_slots_down = dq(slots_gu, "Q4_1"), dq(slots_down, "Q4_1")
+    router = (0.3 * rng.standard_normal((E, D))).astype(np.float32)
+    norm = (1 + 0.1 * rng.standard_normal(D)).astype(np.float32)
+    x = rng.standard_normal((n_tok, D)).astype(np.float32)
+    x_norm, chosen = np.zeros_like(x), np.zeros((n_tok, K), np.int32)
+    weights, counts = np.zeros((n_tok, K), np.float32), np.zeros(LAYERS * E, np.int32)
+    got = x.copy()
+    route_ref(got, norm, 1e-5, router, x_norm, chosen, weights, res, AT, counts, counts.copy())
+    h = np.zeros((n_tok, K, F), np.float32)
+    expert_gate_up_ref(x_norm, chosen, res, AT, f_slots_gu, f_host_gu, h)
+    expert_down_ref(h, chosen, weights, res, AT, f_slots_down, f_host_down, got)
+    normed = np.empty_like(x)
+    rmsnorm_ref(x, norm, 1e-5, normed)
+    want = moe_ffn_ref(x.copy(), normed, router, list(f_host_gu[AT:AT + E]), list(f_host_down[AT:AT + E]), K)
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want - x).max()
+    assert (res[AT + np.unique(chosen)] >= 0).any() and (res[AT + np.unique(chosen)] < 0).any()  # both sources

@@ -14,9 +14,11 @@ The reference runs each expert once, over the tokens that chose it (a gather by 
 rather than each token's K experts one by one: that is the order a device kernel reads
 weights in, each expert's matrices once per pass.
 
-Only the reference is built: the device kernels (router, expert gate|up and down over
-quantized expert rows, the weighted combine) and the expert cache are not built yet, and
-the cuda backend refuses an MoE model (CudaBackend.check_model).
+These two functions are the spec. The engine runs the layer as three kernels, each beside
+a reference of its own that reads the expert cache (experts/cache.py): route.py (the norm,
+the router, top-K and the counters), expert_gate_up.py and expert_down.py (the chosen
+experts' rows from a VRAM slot or the host copy). tests/kernels/test_expert_kernels.py
+holds the three references, composed, to moe_ffn_ref.
 """
 from __future__ import annotations
 
