@@ -1,6 +1,7 @@
-"""The expert path on the cuda backend, whole engine: against the numpy backend, and any
-cache size against all-resident, bit for bit, through the host path and the device step
-(a CUDA graph on a GPU); the negative control fails it.
+"""The expert path on the cuda backend, whole engine: the exact oracle (split, K = E)
+against the dense model, against the numpy backend, and any cache size against
+all-resident, bit for bit, through the host path and the device step (a CUDA graph on a
+GPU), fp16 and k8v4 KV; the negative control fails it.
 
 The model: a 1-layer random-weight model (d 64, one head of 64) made an MoE of 4 full
 copies of its FFN (ff 64), each token routed to 2 by a random router. Under the simulator
@@ -13,6 +14,7 @@ slot as from the host copy, in the same order).
 import numpy as np
 import pytest
 
+from conftest import ON_GPU
 from strata_nb import Engine
 from strata_nb.model.moefy import moefy
 from strata_nb.model.synthetic import write_synthetic_gguf
@@ -25,11 +27,37 @@ LOGIT_ATOL = 1e-3  # times the largest |logit|
 
 
 @pytest.fixture(scope="module")
-def copies(tmp_path_factory):
+def dense(tmp_path_factory):
     folder = tmp_path_factory.mktemp("experts_engine")
-    dense = write_synthetic_gguf(folder / "dense.gguf", n_layers=1, d_model=64, d_ff=64, n_heads=1, n_kv_heads=1,
-                                 head_dim=64, seed=4)
-    return str(moefy(dense, folder / "copies.gguf", "copies", 4, used=2, seed=2))
+    return write_synthetic_gguf(folder / "dense.gguf", n_layers=1, d_model=64, d_ff=64, n_heads=1, n_kv_heads=1,
+                                head_dim=64, seed=4)
+
+
+@pytest.fixture(scope="module")
+def copies(dense):
+    return str(moefy(dense, dense.parent / "copies.gguf", "copies", 4, used=2, seed=2))
+
+
+def test_split_with_every_expert_used_is_the_dense_model(dense):
+    """The exact oracle on the device: 2 experts of 32 columns, both used, a zero router.
+    Logits within the numpy comparison's tolerance of the dense model's, and the same
+    greedy tokens (64 steps on a GPU, 4 under the simulator)."""
+    split = str(moefy(dense, dense.parent / "split.gguf", "split", 2))
+    steps = 64 if ON_GPU else STEPS
+    runs = []
+    for path in (str(dense), split):
+        eng = Engine.load(model=path, device="cuda", max_context=128)
+        logits = [eng.prefill(PROMPT)]
+        token = int(np.argmax(logits[0]))
+        tokens = [token]
+        for pos in range(len(PROMPT), len(PROMPT) + steps):
+            logits.append(eng.decode_one_token(token, pos))
+            token = int(np.argmax(logits[-1]))
+            tokens.append(token)
+        runs.append((np.stack(logits), tokens))
+    (want, want_tokens), (got, got_tokens) = runs
+    assert (np.abs(got - want) <= LOGIT_ATOL * np.abs(want).max(axis=1, keepdims=True)).all()
+    assert got_tokens == want_tokens
 
 
 def logits_of(path, device, slots, **more):
@@ -59,6 +87,13 @@ def test_one_slot_gives_the_all_resident_logits_bit_for_bit(copies, cuda_residen
     np.testing.assert_array_equal(got, cuda_resident)
     stats = eng.weights.experts.stats()
     assert stats.swaps > 0 and 0 < stats.hits < stats.lookups
+
+
+def test_one_slot_with_k8v4_cells_gives_the_all_resident_logits(copies):
+    want, _ = logits_of(copies, "cuda", "auto", kv="k8v4")
+    got, eng = logits_of(copies, "cuda", 1, kv="k8v4")
+    np.testing.assert_array_equal(got, want)
+    assert eng.weights.experts.stats().swaps > 0
 
 
 def test_the_device_step_with_a_small_cache_decodes_the_same_tokens(copies):
