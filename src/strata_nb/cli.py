@@ -44,9 +44,16 @@ def engine_options(f):
                      help="MoE models: experts copied into VRAM slots at most, per adapt."),
         click.option("--vram-reserve-mib", type=int, default=1024, show_default=True,
                      help="MoE models: VRAM that --expert-cache auto leaves free."),
-        click.option("--fault", type=click.Choice(["none", "drop-v-mirror", "expert-early-resident"]), default="none",
+        click.option("--spec", type=int, default=0, show_default=True,
+                     help="Speculative decoding (greedy): verify windows of this many positions (2-8), drafted "
+                          "by prompt lookup; 0 = off."),
+        click.option("--suffix-draft", type=int, default=3, show_default=True,
+                     help="With --spec: the longest n-gram of the last tokens the drafter looks up."),
+        click.option("--fault", type=click.Choice(["none", "drop-v-mirror", "verify-no-mirror", "expert-early-resident"]),
+                     default="none",
                      help="Teaching switch: drop-v-mirror makes the k8v4 V half skip the host copy "
-                          "(the unfolded-half bug); expert-early-resident marks an expert resident before "
+                          "(the unfolded-half bug); verify-no-mirror makes the verify window's batched append "
+                          "skip it (Strata #1188); expert-early-resident marks an expert resident before "
                           "its copy lands. Off by default."),
     ]
     for opt in reversed(opts):
@@ -119,6 +126,11 @@ def run(prompt, max_tokens, temperature, top_k, top_p, seed, raw, stats, **engin
             click.echo(f"KV streaming: {c.lookups} lookups, {c.misses} misses ({c.misses_per_step:.1f} per layer-step), "
                        f"hit rate {c.hit_rate:.3f}, {c.copies} copies, {c.in_place} read in place, "
                        f"{c.bytes_moved / 2**20:.1f} MiB moved", err=True)
+        if "spec" in s.extra:
+            x = s.extra["spec"]
+            click.echo(f"speculation: window {x['window']}, {x['passes']} passes, {x['drafts_accepted']} of "
+                       f"{x['drafts_offered']} drafts accepted ({x['acceptance_rate']:.3f}), "
+                       f"{x['tokens_per_pass']:.2f} tokens a pass", err=True)
         if "experts" in s.extra:
             x = s.extra["experts"]
             click.echo(f"experts: {x['lookups']} lookups, {x['hits']} hits, hit rate {x['hit_rate']:.3f}, "

@@ -8,7 +8,8 @@ from .errors import SettingError
 from .kv_layout import BLOCK, FORMATS
 
 DEVICES = ("auto", "cpu", "cuda")
-FAULTS = ("none", "drop-v-mirror", "expert-early-resident")
+FAULTS = ("none", "drop-v-mirror", "verify-no-mirror", "expert-early-resident")
+MAX_WINDOW = 8  # --spec: positions a verify window holds, at most (the matvec's rows)
 
 
 @dataclass(slots=True)
@@ -21,7 +22,9 @@ class Settings:
     device: str = "auto"  # auto, cpu (the numpy backend), cuda
     max_context: int | None = None  # cells per layer the KV cache holds; None = the model's trained context
     prefill_chunk: int | None = None  # prompt tokens per forward pass; None = the backend's (prefill_chunk)
-    fault: str = "none"  # teaching switches: drop-v-mirror (the unfolded-V-half bug), expert-early-resident
+    fault: str = "none"  # teaching switches: drop-v-mirror (the unfolded-V-half bug), verify-no-mirror, expert-early-resident
+    spec: int = 0  # speculative decoding: the verify window's positions T (2..8); 0 = off
+    suffix_draft: int = 3  # the drafter's longest n-gram matched against the prompt and output
     expert_cache: int | str = "auto"  # MoE: experts held in VRAM slots; "auto" = what free VRAM holds
     adapt_every: int = 4  # MoE: passes between the expert cache's adapts
     adapt_swaps: int = 96  # MoE: experts copied into slots at most, per adapt
@@ -58,6 +61,13 @@ class Settings:
             raise SettingError("adapt_swaps", f"must be at least 1, got {self.adapt_swaps}")
         if self.vram_reserve_mib < 0:
             raise SettingError("vram_reserve_mib", f"must be >= 0, got {self.vram_reserve_mib}")
+        if self.spec != 0 and not 2 <= self.spec <= MAX_WINDOW:
+            raise SettingError("spec", f"must be 0 (off) or a window of 2 .. {MAX_WINDOW} positions, got {self.spec}")
+        if self.suffix_draft < 1:
+            raise SettingError("suffix_draft", f"must be at least 1 token, got {self.suffix_draft}")
+        if self.fault == "verify-no-mirror" and (self.spec == 0 or self.kv_resident == 0):
+            raise SettingError("fault", "'verify-no-mirror' breaks the verify window's host copy: it needs --spec and a "
+                                        "streamed cache (--kv-resident)")
         if self.fault == "drop-v-mirror" and self.kv != "k8v4":
             raise SettingError("fault", "'drop-v-mirror' breaks the k8v4 V half, so it needs the KV format k8v4")
 

@@ -21,8 +21,12 @@ from ..model.weights import load_weights
 from ..settings import SamplingSettings, Settings
 from ..text.tokenizer import StreamDecoder, Tokenizer
 from .decode_step import DeviceStep
+from .draft import prompt_lookup
 from .forward import forward
 from .sampling import sample
+
+
+REPETITION_STOP = 256  # a reply that repeats one token this many times in a row is stopped (as Strata's)
 
 
 @dataclass
@@ -172,6 +176,39 @@ class Engine:
             token = self.next_token(token, p, s, rng, step)
             yield token
 
+    # --8<-- [start:speculate]
+    def verify(self, window: list[int], pos: int) -> np.ndarray:
+        """One batched pass over `window` at pos, pos + 1, ...: every position's greedy pick
+        (len(window),). The cells are written; QSA's bounds wait for `kv.keep`."""
+        self.kv.open_window()
+        return np.argmax(self._forward(window, pos, prompt=False, all_logits=True), axis=1)
+
+    def speculate(self, token: int, pos: int, n: int, history: list[int], counts: dict):
+        """The n greedy tokens after `token` at `pos`, as tokens_after gives them, verified
+        up to T = --spec at a time: the drafter guesses T - 1 tokens from `history` (the
+        prompt and the output so far), one pass checks them all, and the longest prefix the
+        model agrees with is kept, plus the model's own next token. A rejected draft's cells
+        lie past the kept ones; the next window starts there and writes over them."""
+        history = [*history, token]
+        made = 0
+        while made < n:
+            room = min(self.settings.spec, n - made, self.settings.max_context - pos)
+            drafts = prompt_lookup(history, room - 1, self.settings.suffix_draft)
+            picks = self.verify([token, *drafts], pos)
+            kept = 0
+            while kept < len(drafts) and picks[kept] == drafts[kept]:
+                kept += 1
+            self.kv.keep(kept + 1)  # the window's token and the drafts the model agreed with
+            counts["passes"] += 1
+            counts["drafts_offered"] += len(drafts)
+            counts["drafts_accepted"] += kept
+            for t in [*drafts[:kept], int(picks[kept])]:
+                history.append(t)
+                made += 1
+                yield t
+            token, pos = int(picks[kept]), pos + kept + 1
+    # --8<-- [end:speculate]
+
     def _forward(self, ids, start: int, prompt: bool, all_logits: bool) -> np.ndarray:
         """ids at positions start, start + 1, ... through every layer -> logits (n or 1, vocab)."""
         part = np.asarray(ids, np.int32)
@@ -216,6 +253,8 @@ class Engine:
 
     # --8<-- [start:generate_ids]
     def generate_ids(self, ids: list[int], s: SamplingSettings, on_token=None, on_prefill=None) -> Iterator[str]:
+        if self.settings.spec and s.temperature != 0:
+            raise SettingError("spec", "verifies greedy picks: it needs --temperature 0")
         rng = np.random.default_rng(s.seed)
         stats = self.last_stats = RunStats(prompt_tokens=len(ids))
         experts = self.weights.experts
@@ -225,10 +264,16 @@ class Engine:
         logits = self.prefill(ids, on_chunk=on_prefill)
         stats.prefill_seconds = time.perf_counter() - t0
         t0, pos = time.perf_counter(), len(ids)
-        step = self.device_step(s, rng)
         token = sample(logits, s, rng)
         # a step decodes at each pos < max_context while fewer than max_tokens are out
-        later = self.tokens_after(token, pos, min(s.max_tokens - 1, self.settings.max_context - pos), s, rng, step)
+        n = min(s.max_tokens - 1, self.settings.max_context - pos)
+        if self.settings.spec:
+            counts = stats.extra["spec"] = dict(window=self.settings.spec, passes=0, drafts_offered=0,
+                                                drafts_accepted=0)
+            later = self.speculate(token, pos, n, ids, counts)
+        else:
+            later = self.tokens_after(token, pos, n, s, rng, self.device_step(s, rng))
+        run, last = 0, None  # the current run of one repeated token
         try:
             while True:
                 if token in self.tokenizer.stop_ids:
@@ -240,6 +285,10 @@ class Engine:
                 piece = decoder.push(token)
                 if piece:
                     yield piece
+                run, last = (run + 1 if token == last else 1), token
+                if run >= REPETITION_STOP:  # a degenerate reply: one token over and over
+                    stats.finish_reason = "repetition"
+                    break
                 if stats.generated_tokens >= s.max_tokens or pos >= self.settings.max_context:
                     stats.finish_reason = "length"
                     break
@@ -250,6 +299,10 @@ class Engine:
         stats.decode_seconds = time.perf_counter() - t0
         if experts is not None:
             stats.extra["experts"] = experts.stats().since(experts_before).as_dict()
+        if self.settings.spec:
+            c = stats.extra["spec"]
+            c["acceptance_rate"] = c["drafts_accepted"] / c["drafts_offered"] if c["drafts_offered"] else 0.0
+            c["tokens_per_pass"] = (stats.generated_tokens - 1) / c["passes"] if c["passes"] else 0.0
         tail = decoder.flush()
         if tail:
             yield tail

@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..kernels.attention.attention import attention, attention_ref
+from ..kernels.kv.block_bounds import block_bounds, block_bounds_ref
 from ..kernels.kv.copy_runs import as_words, copy_runs, copy_runs_ref
 from ..kernels.kv.hadamard import hadamard, hadamard_ref
 from ..kernels.step.block_scores import block_scores, block_scores_ref
@@ -78,6 +79,7 @@ class KVCache:
         self._attention = be.op(attention_ref, attention)
         self._block_row = be.asarray(np.arange(self.n_blocks, dtype=np.int32).reshape(1, -1))  # (1, n_blocks)
         self._positions = (None, None)  # (NumPy positions, their device copy): _on_device's one entry
+        self._window: list | None = None  # an open verify window's deferred bounds (open_window)
 
     def _on_device(self, positions):
         """positions on the backend, uploaded once per forward pass: every layer's append and
@@ -134,7 +136,22 @@ class KVCache:
                 self._counters.staged_blocks += before
                 stage = self.stage
         # host copy always, slot if resident; QSA's bounds of K with them
-        return Append(self.fmt, L, pos, stage, self.fault, None if L.kmin is None else (L.kmin, L.kmax))
+        return Append(self.fmt, L, pos, stage, self.fault, None if L.kmin is None else (L.kmin, L.kmax),
+                      None if prompt else self._window)
+
+    # --8<-- [start:window]
+    def open_window(self):
+        """The next forward pass is a verify window: its cells are written (host copy
+        always, slot if resident), but QSA's block bounds wait for `keep`. A rejected cell
+        is simply written over by the next window; only the bounds could remember it."""
+        self._window = []
+
+    def keep(self, n: int):
+        """Close the window, keeping its first n cells: their K updates the bounds."""
+        for bounds, k, positions in self._window:
+            self.be.op(block_bounds_ref, block_bounds)(k[:n], positions[:n], *bounds)
+        self._window = None
+    # --8<-- [end:window]
 
     def append(self, layer: int, positions, k, v, prompt: bool):
         """k, v (n, n_kv, hd) float32 after RoPE, at `positions` (n,) -> the cache (the

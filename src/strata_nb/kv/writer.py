@@ -55,6 +55,7 @@ class Append:
     stage: KVDest | None = None  # a streamed prompt chunk's stage, written first
     fault: str = "none"
     bounds: tuple | None = None  # QSA's (kmin, kmax), kept at append time
+    window: list | None = None  # a verify window's: where the bounds wait until its cells are kept
 
     @property
     def in_epilogue(self) -> bool:
@@ -71,15 +72,20 @@ class Append:
         """k, v (n, n_kv, hd) float32 after RoPE -> the stage (if any), then the layer."""
         if self.stage is not None:
             append_cells(be, self.fmt, self.stage, self.positions, k, v)
-        append_cells(be, self.fmt, self.dest, self.positions, k, v, self.fault, self.bounds)
+        dest = self.dest
+        if self.window is not None and self.fault == "verify-no-mirror":
+            dest = KVDest(dest.pool, dest.page_table, None)  # the batched append forgets the host copy
+        append_cells(be, self.fmt, dest, self.positions, k, v, self.fault, self.bounds, self.window)
 # --8<-- [end:append]
 
 
 # --8<-- [start:append_cells]
-def append_cells(be, fmt: str, dest: KVDest, positions, k, v, fault: str = "none", bounds=None):
+def append_cells(be, fmt: str, dest: KVDest, positions, k, v, fault: str = "none", bounds=None, window=None):
     """k, v (n, n_kv, hd) float32 after RoPE -> dest's pool and host copy, rotated here
     where the format rotates (kv_layout.rotates). bounds: QSA's (kmin, kmax) of K, kept at
-    append time (kernels/kv/block_bounds.py), or None."""
+    append time (kernels/kv/block_bounds.py), or None. window: a verify window's list; the
+    bounds' update waits there (bounds, K as stored, positions) for `KVCache.keep`, since a
+    rejected cell must not widen its block's bounds."""
     pool, pt = dest.pool, dest.page_table
     h = lambda f: host_field(dest, f)  # noqa: E731
     if fmt in ("fp16", "fp32"):
@@ -98,10 +104,13 @@ def append_cells(be, fmt: str, dest: KVDest, positions, k, v, fault: str = "none
         # (kernels/kv/kv_append_k8v4.py); the V half rotates V as it quantizes it.
         # --fault drop-v-mirror passes the V half unfolded: its host write is silently skipped
         be.op(kv_append_k8v4_ref, kv_append_k8v4)(k, v, positions, pt, pool, dest.host, fold_v_half=(fault != "drop-v-mirror"),
-                                bounds=bounds)
-        bounds = None  # kept already
+                                bounds=None if window is not None else bounds)
+        if window is None:
+            bounds = None  # kept already
     else:
         raise ValueError(f"no writer for KV format {fmt!r}")
-    if bounds is not None:
+    if bounds is not None and window is not None:
+        window.append((bounds, k, positions))
+    elif bounds is not None:
         be.op(block_bounds_ref, block_bounds)(k, positions, *bounds)
 # --8<-- [end:append_cells]

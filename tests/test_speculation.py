@@ -1,0 +1,216 @@
+"""Speculative decoding with a verify window (--spec), on the numpy backend: the drafter;
+greedy output token-identical to --spec 0 in every KV format, resident and streamed at the
+minimum resident size, with and without QSA; and the parity tests with their negative
+controls:
+
+- mirror parity: every cell in a VRAM slot equals its host copy, bit for bit; the verify
+  window's batched append skipping the host copy (--fault verify-no-mirror, Strata's
+  #1188) fails it;
+- batch vs step: the cache after --spec holds the cells the one-token path writes. Not
+  bit for bit on the numpy backend: a window's products have 5 rows (attention's, 15),
+  and BLAS orders a many-row product's float32 sums differently from a one-row one's, so
+  about 5% of the cache's bytes differ by a rounding (measured: 4.9% fp16, 4.5% k8v4
+  streamed; a rounding can move a quantized code by one, and deeper layers carry the
+  earlier ones'); the fault leaves the window's cells out of the host copy (38% of the
+  bytes differ). The test allows 15%;
+- QSA's block bounds count only the cells a window keeps: checked on the cache itself,
+  exactly (a window's bounds after the run differ from the one-token path's by the same
+  roundings, up to 5% of a layer's largest bound in the deepest layers of the run here,
+  so an end-to-end comparison could not tell a widened bound from them). Keeping a
+  rejected cell's K fails it.
+
+The default model continues the bundled document (150 tokens of it, raw), 96 tokens.
+Windows of 5 cross block boundaries (every 64 cells) and, streamed with a ring of 64
+cells, the cells a window writes leave the ring and are read back from the host copy.
+"""
+import re
+from importlib import resources
+
+import numpy as np
+import pytest
+
+from strata_nb import Engine
+from strata_nb.engine.draft import prompt_lookup
+from strata_nb.errors import SettingError
+from strata_nb.kv.cache import KVCache
+from strata_nb.kv.plan import StreamPlan
+from strata_nb.kv_layout import BLOCK
+from strata_nb.settings import SamplingSettings
+
+N_PROMPT, N_NEW, WINDOW = 150, 96, 5
+STREAMED = dict(kv_resident=StreamPlan.minimum_cells(64), kv_window=64)
+
+
+def test_prompt_lookup_takes_the_longest_suffix_seen_before():
+    history = [1, 2, 3, 4, 9, 2, 3, 4, 5, 6, 1, 2, 3, 4]
+    assert prompt_lookup(history, 3, 3) == [5, 6, 1]  # "2 3 4" seen twice: the latest, 3 tokens follow it
+    assert prompt_lookup(history + [5, 6, 1, 2, 3, 4], 3, 3) == [5, 6, 1]
+    assert prompt_lookup([7, 8, 9, 7], 4, 3) == [8, 9, 7]  # only "7" recurs: what followed it, up to the end
+    assert prompt_lookup([5, 5, 5, 5], 2, 3) == [5, 5]  # a run: an occurrence 2 tokens follow, not the overlap
+    assert prompt_lookup([1, 2, 3], 3, 3) == [] and prompt_lookup([1], 3, 3) == []
+
+
+@pytest.fixture(scope="module")
+def prompt(default_model_path):
+    text = resources.files("strata_nb.data").joinpath("default_document.txt").read_text()
+    return Engine.load(model=default_model_path, device="cpu", max_context=512).tokenize(text)[:N_PROMPT]
+
+
+def run(path, prompt, spec, **settings):
+    """The greedy tokens, the engine, and the verify windows' (pos, length)."""
+    eng = Engine.load(model=path, device="cpu", max_context=512, spec=spec, **settings)
+    windows, verify = [], eng.verify
+    eng.verify = lambda window, pos: windows.append((pos, len(window))) or verify(window, pos)
+    tokens = []
+    list(eng.generate_ids(prompt, SamplingSettings(max_tokens=N_NEW), on_token=tokens.append))
+    return tokens, eng, windows
+
+
+BATCH_VS_STEP = 0.15  # the share of the cache's bytes a rounding may change (module docstring)
+
+
+def differing_share(a, b, end: int) -> float:
+    """The share of the bytes of cells [0, end) that differ between two snapshots."""
+    differ = total = 0
+    for la, lb in zip(a["layers"], b["layers"]):
+        for f in la.keys() - {"kmin", "kmax"}:
+            x, y = (s[f].swapaxes(1, 2) for s in (la, lb))  # (blocks, BLOCK, n_kv, per_head)
+            x, y = (s.reshape(-1, *s.shape[2:])[:end].view(np.uint8) for s in (x, y))
+            differ, total = differ + int((x != y).sum()), total + x.size
+    return differ / total
+
+
+def mirror_mismatches(kv, end: int) -> int:
+    """Blocks of cells [0, end) in a VRAM slot whose cells differ from the host copy's."""
+    bad = 0
+    kv.sync_from_device()
+    for L in kv.layers:
+        pool, host = ({f: kv.be.to_numpy(a) for f, a in arrays.items()} for arrays in (L.pool, L.host))
+        for b in range(-(-end // BLOCK)):
+            slot, n = int(L.slots.page_table[b]), min(BLOCK, end - b * BLOCK)
+            if slot >= 0:
+                bad += any(not np.array_equal(pool[f][slot][:, :n], host[f][b][:, :n]) for f in pool)
+    return bad
+
+
+CONFIGS = [
+    pytest.param("fp16", {}, id="fp16"),
+    pytest.param("k8v4", STREAMED | dict(qsa_budget=128), id="k8v4-streamed-qsa"),
+    pytest.param("int8", {}, id="int8", marks=pytest.mark.slow),
+    pytest.param("q4_0", {}, id="q4_0", marks=pytest.mark.slow),
+    pytest.param("k8v4", {}, id="k8v4", marks=pytest.mark.slow),
+    pytest.param("k8v4", STREAMED, id="k8v4-streamed", marks=pytest.mark.slow),
+    pytest.param("fp16", STREAMED | dict(qsa_budget=128), id="fp16-streamed-qsa", marks=pytest.mark.slow),
+    pytest.param("q4_0", STREAMED, id="q4_0-streamed", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("kv, settings", CONFIGS)
+def test_spec_is_token_identical_and_writes_the_same_cache(kv, settings, default_model_path, prompt):
+    want, step_eng, _ = run(default_model_path, prompt, 0, kv=kv, **settings)
+    got, eng, windows = run(default_model_path, prompt, WINDOW, kv=kv, **settings)
+    assert got == want
+    counts = eng.last_stats.extra["spec"]
+    assert counts["drafts_accepted"] > 0 and counts["passes"] < len(got)
+    assert counts["drafts_accepted"] < counts["drafts_offered"]  # some drafts were rejected and written over
+    assert any(pos // BLOCK != (pos + n - 1) // BLOCK for pos, n in windows)  # a window crossed a block boundary
+    end = N_PROMPT + len(got) - 1
+    spec_cells, step_cells = eng.kv.snapshot(end), step_eng.kv.snapshot(end)
+    assert differing_share(spec_cells, step_cells, end) <= BATCH_VS_STEP
+    if eng.kv.streamed:
+        assert mirror_mismatches(eng.kv, end) == 0
+
+
+@pytest.mark.model
+def test_negative_control_verify_no_mirror_fails_the_parity_tests(default_model_path, prompt):
+    """The window's cells never reach the host copy: VRAM and host disagree, and the cells
+    read back after leaving the ring are not the ones written."""
+    settings = dict(kv="k8v4", **STREAMED, qsa_budget=128)
+    want, step_eng, _ = run(default_model_path, prompt, 0, **settings)
+    end = N_PROMPT + len(want) - 1
+    _, faulty, _ = run(default_model_path, prompt, WINDOW, fault="verify-no-mirror", **settings)
+    assert mirror_mismatches(faulty.kv, end) > 0
+    assert differing_share(faulty.kv.snapshot(end), step_eng.kv.snapshot(end), end) > BATCH_VS_STEP
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "q4_0", "k8v4"])
+def test_a_window_s_bounds_count_only_the_cells_it_keeps(fmt, tiny_model):
+    """Cells 70..74 in one window, the last two rejected (one of them far outside every
+    bound): after keep(3) the bounds are those of a cache that appended 70..72 alone, bit
+    for bit. Keeping all 5 (the negative control) widens them."""
+    from strata_nb.backend.numpy_backend import NumpyBackend
+    from strata_nb.model.gguf_file import GGUFModel
+    from strata_nb.settings import Settings
+
+    cfg = GGUFModel(tiny_model).config
+    rng = np.random.default_rng(3)
+    k, v = (rng.standard_normal((75, cfg.n_kv_heads, cfg.head_dim)).astype(np.float32) for _ in range(2))
+    k[73] = 50.0  # a rejected draft's K, far outside the others
+
+    def cache(window_end, keep=None):
+        kv = KVCache(NumpyBackend(), cfg, Settings(model=tiny_model, kv=fmt, qsa_budget=64, max_context=256))
+        kv.append(0, np.arange(70, dtype=np.int32), k[:70], v[:70], prompt=True)
+        if keep is not None:
+            kv.open_window()
+        pos = np.arange(70, window_end, dtype=np.int32)
+        kv.append(0, pos, k[70:window_end], v[70:window_end], prompt=False)
+        if keep is not None:
+            kv.keep(keep)
+        return kv.layers[0]
+
+    want, got, widened = cache(73), cache(75, keep=3), cache(75, keep=5)
+    assert np.array_equal(got.kmin, want.kmin) and np.array_equal(got.kmax, want.kmax)
+    assert not np.array_equal(widened.kmax, want.kmax)
+
+
+def test_spec_settings_are_checked(tiny_model):
+    for spec, message in ((1, "must be 0 (off) or a window of 2 .. 8 positions, got 1"), (9, "got 9")):
+        with pytest.raises(SettingError, match=re.escape(message)):
+            Engine.load(model=tiny_model, device="cpu", spec=spec)
+    with pytest.raises(SettingError, match="'verify-no-mirror' breaks the verify window's host copy: it needs --spec"):
+        Engine.load(model=tiny_model, device="cpu", spec=4, fault="verify-no-mirror")
+    eng = Engine.load(model=tiny_model, device="cpu", spec=4)
+    with pytest.raises(SettingError, match="verifies greedy picks: it needs --temperature 0"):
+        list(eng.generate("hi", temperature=0.5))
+
+
+def test_a_reply_that_repeats_one_token_stops(tiny_model):
+    """The tiny random model's greedy reply is one byte over and over: stopped at 256."""
+    eng = Engine.load(model=tiny_model, device="cpu", max_context=512)
+    tokens = []
+    list(eng.generate_ids(eng.tokenize("abc"), SamplingSettings(max_tokens=400), on_token=tokens.append))
+    assert eng.last_stats.finish_reason == "repetition"
+    assert len(tokens) == 256 and len(set(tokens)) == 1
+
+
+def test_run_stats_print_the_speculation_line(tiny_model, capsys):
+    from strata_nb.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["run", "abcabcabc", "--model", tiny_model, "--device", "cpu", "--raw", "--max-tokens", "20",
+              "--spec", "4", "--stats"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 0 and "speculation: window 4," in err and "drafts accepted" in err
+    with pytest.raises(SystemExit) as exit_:
+        main(["run", "abc", "--model", tiny_model, "--device", "cpu", "--spec", "9"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and err == ["strata-nb: error: --spec must be 0 (off) or a window of 2 .. 8 "
+                                             "positions, got 9"]
+
+
+@pytest.mark.sim_engine
+def test_spec_on_the_cuda_backend_is_token_identical(tiny_model):
+    """The verify window through the cuda kernels (the simulator here): the same greedy
+    tokens as the one-token path, and the host copy mirrors VRAM, streamed k8v4 with QSA."""
+    settings = dict(kv="k8v4", kv_resident=StreamPlan.minimum_cells(64), kv_window=64, qsa_budget=64)
+    prompt = list(range(40, 40 + 130))  # 130 byte tokens: the window's cells go past the 128-cell ring
+    runs = []
+    for spec in (0, 4):
+        eng = Engine.load(model=tiny_model, device="cuda", max_context=256, spec=spec, **settings)
+        tokens = []
+        list(eng.generate_ids(prompt, SamplingSettings(max_tokens=12), on_token=tokens.append))
+        runs.append((tokens, eng))
+    (want, _), (got, eng) = runs
+    assert got == want and eng.last_stats.extra["spec"]["passes"] < len(got)
+    assert mirror_mismatches(eng.kv, len(prompt) + len(got) - 1) == 0
