@@ -95,7 +95,7 @@ def mirror_mismatches(kv, end: int) -> int:
 
 CONFIGS = [
     pytest.param("fp16", {}, id="fp16"),
-    pytest.param("k8v4", STREAMED | dict(qsa_budget=128), id="k8v4-streamed-qsa"),
+    pytest.param("k8v4", STREAMED | dict(qsa_budget=128), id="k8v4-streamed-qsa", marks=pytest.mark.slow),
     pytest.param("int8", {}, id="int8", marks=pytest.mark.slow),
     pytest.param("q4_0", {}, id="q4_0", marks=pytest.mark.slow),
     pytest.param("k8v4", {}, id="k8v4", marks=pytest.mark.slow),
