@@ -181,7 +181,11 @@ class Engine:
         """One batched pass over `window` at pos, pos + 1, ...: every position's greedy pick
         (len(window),). The cells are written; QSA's bounds wait for `kv.keep`."""
         self.kv.open_window()
-        return np.argmax(self._forward(window, pos, prompt=False, all_logits=True), axis=1)
+        try:
+            return np.argmax(self._forward(window, pos, prompt=False, all_logits=True), axis=1)
+        except BaseException:
+            self.kv.keep(0)  # a pass cut short keeps none of its cells: no window stays open
+            raise
 
     def speculate(self, token: int, pos: int, n: int, history: list[int], counts: dict):
         """The n greedy tokens after `token` at `pos`, as tokens_after gives them, verified

@@ -60,8 +60,9 @@ class Append:
     @property
     def in_epilogue(self) -> bool:
         """Can a matvec's epilogue write these cells one value at a time? fp16/fp32 values
-        are only cast; the quantized formats need a block's scale, QSA its bounds."""
-        return self.fmt in ("fp16", "fp32") and self.stage is None and self.bounds is None
+        are only cast; the quantized formats need a block's scale, QSA its bounds. A verify
+        window's cells (even a window of one token) go through `write`, as every window's."""
+        return self.fmt in ("fp16", "fp32") and self.stage is None and self.bounds is None and self.window is None
 
     def epilogue_args(self) -> tuple:
         """kv_append_fp16's arguments after k_new, v_new: what the epilogue writes through."""

@@ -46,9 +46,10 @@ def expert_views(name: str, a, qtype: str, rows: int, n_in: int):
     return view_bytes(a, view_a), view_bytes(a, view_b)
 
 
-def expect_table(res, lookups, hits, at: int, n_expert: int):
-    """The residency table and the two usage counters: (L * E,) int32 each, with room for
-    this layer's E entries from `at`."""
-    for name, a in (("res", res), ("lookups", lookups), ("hits", hits)):
+def expect_table(res, at: int, n_expert: int = 1, **counters):
+    """The residency table (L * E,) int32, with room for this layer's E entries from `at`;
+    and any usage counters (route's lookups and hits), shaped as it."""
+    expect("res", res, np.int32, (None,))
+    for name, a in counters.items():
         expect(name, a, np.int32, (res.shape[0],))
     assert 0 <= at and at + n_expert <= res.shape[0], f"entries {at}..{at + n_expert} are outside res {res.shape}"

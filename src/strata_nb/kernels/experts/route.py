@@ -181,7 +181,7 @@ def route(x, norm, eps, raw, qtype, x_norm, chosen, weights, res, at, lookups, h
     k = chosen.shape[1]
     assert 1 <= k <= min(n_expert, MAX_USED), f"K = {k} experts a token: 1 .. {min(n_expert, MAX_USED)}"
     expect("weights", weights, np.float32, (n, k))
-    expect_table(res, lookups, hits, at, n_expert)
+    expect_table(res, at, n_expert, lookups=lookups, hits=hits)
     if n == 0:
         return
     with DeviceArgs() as dev:
