@@ -137,7 +137,8 @@ class CudaBackend:
     # ---- the expert cache's memory (experts/cache.py) -----------------------------------
     def expert_host_copy(self, raw, qtype):
         """(n, rows, bytes) uint8 GGUF rows of n expert matrices, in pinned device-mapped
-        memory: copies from it run at full bus speed, and kernels read it in place."""
+        memory: kernels read it in place over the bus (the expert kernels a missing
+        expert's rows, the copy kernel a slot's fill)."""
         host = cuda.mapped_array(raw.shape, np.uint8)
         host[...] = raw
         return host
@@ -147,11 +148,6 @@ class CudaBackend:
         anything was copied in reads zeros, never an earlier engine's experts (freed device
         memory is reused)."""
         return cuda.to_device(np.zeros((n, *host.shape[1:]), np.uint8))
-
-    def copy_expert(self, slots, slot: int, host, index: int):
-        """slots[slot] <- host[index], on the default stream: after the steps queued so far,
-        before any queued later (experts/cache.py says why that order matters)."""
-        slots[slot].copy_to_device(np.asarray(host)[index])
 
     def free_memory(self) -> int:
         free, _ = cuda.current_context().get_memory_info()

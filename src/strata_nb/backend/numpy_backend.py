@@ -77,9 +77,6 @@ class NumpyBackend:
         """n slots shaped as one of the host copy's matrices ("VRAM" is an ordinary array here)."""
         return np.zeros((n, *host.shape[1:]), host.dtype)
 
-    def copy_expert(self, slots, slot: int, host, index: int):
-        slots[slot] = host[index]
-
     def free_memory(self):
         """Free device memory in bytes; None: no device, every expert fits."""
         return None

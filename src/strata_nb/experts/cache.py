@@ -32,6 +32,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import SettingError
+from ..gpu.launch import view_bytes
+from ..kernels.kv.copy_runs import as_words, copy_runs, copy_runs_ref
 from ..model.gguf_file import GGUFModel
 from .policy import DECAY, plan_moves
 
@@ -70,6 +72,12 @@ class ExpertCache:
         self.host_gate_up, self.host_down = be.expert_host_copy(gate_up, self.qtype), be.expert_host_copy(down, self.qtype)
         self.slot_gate_up = be.expert_slots(self.n_slots, self.host_gate_up)  # (N, 2F, *)
         self.slot_down = be.expert_slots(self.n_slots, self.host_down)  # (N, D, *)
+        # what a move copies: each matrix, host copy -> slot, as rows of 4-byte words
+        self._runs = [(as_words(self.host_gate_up), as_words(self.slot_gate_up)),
+                      (as_words(self.host_down), as_words(self.slot_down))] if self.n_slots else []
+        # the moves' (expert, slot) lists, in mapped memory the copy kernel reads in place
+        self._moves = be.host_array((2, max(1, self.n_slots)), np.int32)
+        self._moves_index = view_bytes(self._moves, np.int32)  # the same memory, as the kernel takes it
         self.res_host = np.full(n, -1, np.int32)  # the host's view of res, which it alone changes
         self.res = be.asarray(self.res_host.copy())  # (L * E,) int32: slot or -1
         self.lookups = be.zeros((n,), np.int32)
@@ -124,9 +132,16 @@ class ExpertCache:
     # --8<-- [end:move]
 
     def _copy(self, moves):
-        for expert, slot, _ in moves:
-            self.be.copy_expert(self.slot_gate_up, slot, self.host_gate_up, expert)
-            self.be.copy_expert(self.slot_down, slot, self.host_down, expert)
+        """The moves' weights into their slots: per matrix, one launch of the KV movers'
+        copy kernel (kernels/kv/copy_runs.py), its threads reading the mapped host copy
+        over the bus, queued behind the steps already queued; the host does not wait.
+        The (expert, slot) lists go through mapped memory too, with no copy of their own:
+        no earlier fill still reads them, because every adapt has waited for the steps
+        queued before it, and the fills queued with them (adapt reads the counters)."""
+        n = len(moves)
+        self._moves[:, :n] = np.array(moves, np.int32)[:, :2].T
+        for host, slot_pool in self._runs:
+            self.be.op(copy_runs_ref, copy_runs)(host, slot_pool, self._moves_index[0, :n], self._moves_index[1, :n])
 
     def stats(self) -> ExpertStats:
         lookups, hits = (int(self.be.to_numpy(a).astype(np.int64).sum()) for a in (self.lookups, self.hits))
