@@ -131,6 +131,7 @@ class ExpertCache:
         self.moved.bytes_moved += len(moves) * self.expert_bytes
     # --8<-- [end:move]
 
+    # --8<-- [start:copy]
     def _copy(self, moves):
         """The moves' weights into their slots: per matrix, one launch of the KV movers'
         copy kernel (kernels/kv/copy_runs.py), its threads reading the mapped host copy
@@ -142,6 +143,7 @@ class ExpertCache:
         self._moves[:, :n] = np.array(moves, np.int32)[:, :2].T
         for host, slot_pool in self._runs:
             self.be.op(copy_runs_ref, copy_runs)(host, slot_pool, self._moves_index[0, :n], self._moves_index[1, :n])
+    # --8<-- [end:copy]
 
     def stats(self) -> ExpertStats:
         lookups, hits = (int(self.be.to_numpy(a).astype(np.int64).sum()) for a in (self.lookups, self.hits))
