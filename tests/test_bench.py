@@ -153,6 +153,38 @@ def test_a_broken_row_cannot_look_like_a_win():
     assert "~~k8v4 resident~~" in md and "**BROKEN**" in md
 
 
+def test_a_degenerate_or_non_identical_row_is_flagged():
+    """A free run stuck in a loop (loop score above DEGENERATE), or a --spec row whose
+    tokens are not --spec 0's, is struck through like a broken one. A run that repeats
+    a long passage scores high on repetition, and is not a loop."""
+    from strata_nb.probes import DEGENERATE, loop_score, repetition_score
+
+    loop, prose, passage = [5, 6, 7, 8] * 16, list(range(64)), list(range(30)) * 2
+    assert loop_score(loop) > DEGENERATE > loop_score(prose) == repetition_score(prose) == 0.0
+    assert repetition_score(passage) > 0.4 and loop_score(passage) == 0.0
+    ok = dict(tokens=8, exact=8, max_gap=0.0, broken=False)
+    row = dict(fmt="fp16", mode="resident", depth=64, prefill_tok_s=1.0, decode_tok_s=1.0, kv_bytes=0,
+               bytes_per_token=0, gb_s=0.0, hit_rate=None, graph=False, check=ok)
+    looping = row | dict(loop=loop_score(loop))
+    md = table({"rows": [row | dict(loop=0.1), looping], "copy_gb_s": None})
+    assert md.count("~~fp16 resident~~") == 1 and "**DEGENERATE**: loop score 0.93" in md
+    spec = dict(passes=3, drafts_offered=9, drafts_accepted=4, tokens_per_pass=2.0)
+    md = table({"rows": [row | dict(mode="resident, spec 4", spec=spec | dict(identical=False))], "copy_gb_s": None})
+    assert "~~fp16 resident, spec 4~~" in md and "**NOT the spec 0 tokens**" in md and "4/9 drafts accepted" in md
+
+
+def test_spec_rows_report_acceptance_and_keep_the_one_token_rows_tokens(tiny_model, tmp_path, capsys):
+    code, out, err = run_cli(bench_argv(tiny_model, tmp_path, "--depths", "40", "--formats", "fp16",
+                                        "--streamed-formats", "", "--spec", "4"), capsys)
+    assert code == 0, err
+    rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    assert [r["mode"] for r in rows] == ["resident", "resident, spec 4"]
+    spec = rows[1]["spec"]
+    assert spec["identical"] and rows[1]["tokens"] == rows[0]["tokens"] and not rows[1]["check"]["broken"]
+    assert spec["window"] == 4 and spec["passes"] >= 1 and 0 <= spec["drafts_accepted"] <= spec["drafts_offered"]
+    assert spec["tokens_per_pass"] == 4 / spec["passes"] and "drafts accepted" in (tmp_path / "bench.md").read_text()
+
+
 def test_the_profile_decodes_after_a_prompt_of_at_least_one_token():
     """It starts 4 * STEPS positions before the last depth, so the profiled steps fit the
     context; a bench at depth 1 (llama-bench's tg: from an empty context) profiled after an
@@ -200,6 +232,8 @@ def test_the_report_has_a_section_per_profiled_step(tmp_path):
     (["--expert-cache", "50%"], "--expert-cache benches an MoE model's expert cache; this model is dense"),
     (["--expert-cache", "half"], "--expert-cache takes shares of the experts from 0% to 100%"),
     (["--expert-cache", "150%"], "--expert-cache takes shares of the experts from 0% to 100%"),
+    (["--spec", "9"], "--spec takes verify windows from 2 to 8"),
+    (["--spec", "four"], "--spec takes verify windows from 2 to 8"),
 ])
 def test_bad_input_is_one_line_and_exit_2(more, message, tiny_model, tmp_path, capsys):
     argv = bench_argv(tiny_model, tmp_path / "empty", "--formats", "fp16", "--check-tokens", "0")

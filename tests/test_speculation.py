@@ -35,6 +35,7 @@ from strata_nb.errors import SettingError
 from strata_nb.kv.cache import KVCache
 from strata_nb.kv.plan import StreamPlan
 from strata_nb.kv_layout import BLOCK
+from strata_nb.probes import mirror_mismatches
 from strata_nb.settings import SamplingSettings
 
 N_PROMPT, N_NEW, WINDOW = 150, 96, 5
@@ -78,19 +79,6 @@ def differing_share(a, b, end: int) -> float:
             x, y = (s.reshape(-1, *s.shape[2:])[:end].view(np.uint8) for s in (x, y))
             differ, total = differ + int((x != y).sum()), total + x.size
     return differ / total
-
-
-def mirror_mismatches(kv, end: int) -> int:
-    """Blocks of cells [0, end) in a VRAM slot whose cells differ from the host copy's."""
-    bad = 0
-    kv.sync_from_device()
-    for L in kv.layers:
-        pool, host = ({f: kv.be.to_numpy(a) for f, a in arrays.items()} for arrays in (L.pool, L.host))
-        for b in range(-(-end // BLOCK)):
-            slot, n = int(L.slots.page_table[b]), min(BLOCK, end - b * BLOCK)
-            if slot >= 0:
-                bad += any(not np.array_equal(pool[f][slot][:, :n], host[f][b][:, :n]) for f in pool)
-    return bad
 
 
 CONFIGS = [

@@ -3,6 +3,7 @@
     python tools/measure_docs.py compare      # compare-kv on the bundled document (~3 min on 2 cores)
     python tools/measure_docs.py stream       # streaming counters, ~6,000-token prompt (~10 min)
     python tools/measure_docs.py fault        # the missing-mirror lab's outputs (~2 min)
+    python tools/measure_docs.py verify       # the verify-window lab: --fault verify-no-mirror (~8 min)
     python tools/measure_docs.py examples     # what the model-free examples print (seconds)
 
 Every page shows the command that produced its numbers; nothing here is typed by hand.
@@ -81,6 +82,64 @@ def fault():
                                       + "\n".join(rows))
 
 
+# The verify-window lab (docs/labs/verify-window.md): free generation, a needle, the mirror
+VERIFY_PROMPTS = ("Write a long story about a lighthouse keeper and his daughter.",
+                  "Explain how a steam engine works, step by step, in detail.",
+                  "Describe a walk through a busy market town on a summer morning.")
+VERIFY_TOKENS = 320
+NEEDLE = "The keeper's secret word is marigold."
+NEEDLE_QUESTION = "What is the keeper's secret word? Answer with the word only."
+
+
+def verify_fault():
+    from strata_nb import Engine
+    from strata_nb.kv.plan import StreamPlan
+    from strata_nb.probes import DEGENERATE, LOOP, loop_score, mirror_mismatches, repetition_score
+    from strata_nb.settings import SamplingSettings
+
+    window = 64
+    settings = dict(device="cpu", kv="k8v4", kv_window=window, kv_resident=StreamPlan.minimum_cells(window), spec=5)
+    flags = (f"--kv k8v4 --kv-resident {settings['kv_resident']} --kv-window {window} --spec 5 "
+             f"--max-tokens {VERIFY_TOKENS}")
+    engines = {f: Engine.load(fault=f, **settings) for f in ("none", "verify-no-mirror")}
+
+    def generate(eng, prompt, max_tokens):
+        ids, tokens = eng.prompt_ids(prompt), []
+        text = "".join(eng.generate_ids(ids, SamplingSettings(max_tokens=max_tokens), on_token=tokens.append))
+        stats = eng.last_stats
+        return dict(text=text, tokens=tokens, finish=stats.finish_reason, spec=stats.extra["spec"],
+                    mirror=mirror_mismatches(eng.kv, len(ids) + len(tokens) - 1))
+
+    runs = {(p, f): generate(eng, p, VERIFY_TOKENS) for p in VERIFY_PROMPTS for f, eng in engines.items()}
+    cut = len(DOC[:5000]) // 2
+    needle_prompt = DOC[:cut] + " " + NEEDLE + " " + DOC[cut:5000] + "\n\n" + NEEDLE_QUESTION
+    needles = {f: generate(eng, needle_prompt, 16) for f, eng in engines.items()}
+    table = ["| prompt | fault | tokens | finish | first token unlike the fault-free reply | repeated 4-grams "
+             f"| repeated within {LOOP} tokens (loop score) | degenerate | blocks whose VRAM and host copy differ "
+             "| drafts accepted |", "| --- | --- | ---: | --- | ---: | ---: | ---: | --- | ---: | ---: |"]
+    for (p, f), r in runs.items():
+        clean = runs[p, "none"]["tokens"]
+        differ = next((i for i, (a, b) in enumerate(zip(r["tokens"], clean)) if a != b), None)
+        loop = loop_score(r["tokens"])
+        table.append(f"| {p} | {f} | {len(r['tokens'])} | {r['finish']} | {'-' if differ is None else differ} | "
+                     f"{repetition_score(r['tokens']):.2f} | {loop:.2f} | {'yes' if loop > DEGENERATE else 'no'} | "
+                     f"{r['mirror']} | {r['spec']['drafts_accepted']} of {r['spec']['drafts_offered']} |")
+    needle_rows = ["| fault | answer | found | blocks whose VRAM and host copy differ |", "| --- | --- | --- | ---: |"]
+    for f, r in needles.items():
+        answer = r["text"].strip().replace("\n", " ").replace("|", "/")
+        needle_rows.append(f"| {f} | {answer} | {'yes' if 'marigold' in answer.lower() else 'no'} | {r['mirror']} |")
+    texts = [f"**{p}**, {f}:\n\n```text\n{r['text'].strip()}\n```\n" for (p, f), r in runs.items()]
+    (OUT / "verify_fault.md").write_text(
+        f"Measured with `python tools/measure_docs.py verify` ({machine()}): greedy, the default model, "
+        f"`strata-nb run {flags}` with and without `--fault verify-no-mirror`. Repeated 4-grams: the share "
+        f"of the reply's 4-grams (of tokens) that occurred earlier in it (`strata_nb.probes.repetition_score`); the "
+        f"loop score counts only those seen within the last {LOOP} tokens (`loop_score`), and above {DEGENERATE} "
+        f"counts as degenerate.\n\n" + "\n".join(table)
+        + f"\n\nThe needle: \"{NEEDLE}\" in the middle of the first 5,000 characters of the bundled document "
+        f"({len(engines['none'].prompt_ids(needle_prompt))} tokens with the question), then \"{NEEDLE_QUESTION}\", "
+        f"16 tokens.\n\n" + "\n".join(needle_rows) + "\n\nThe replies:\n\n" + "\n".join(texts))
+
+
 def examples():
     for name in CAPTURED_EXAMPLES:
         done = subprocess.run([sys.executable, f"examples/{name}.py"], cwd=ROOT, capture_output=True, text=True)
@@ -93,5 +152,5 @@ def examples():
 
 if __name__ == "__main__":
     OUT.mkdir(parents=True, exist_ok=True)
-    for what in sys.argv[1:] or ["compare", "stream", "fault", "examples"]:
-        {"compare": compare, "stream": stream, "fault": fault, "examples": examples}[what]()
+    for what in sys.argv[1:] or ["compare", "stream", "fault", "verify", "examples"]:
+        {"compare": compare, "stream": stream, "fault": fault, "verify": verify_fault, "examples": examples}[what]()

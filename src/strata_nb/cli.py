@@ -9,6 +9,7 @@ import click
 
 from .errors import SettingError, StrataError
 from .kv_layout import USER_FORMATS
+from .settings import MAX_WINDOW
 
 KV_CHOICE = click.Choice(USER_FORMATS)
 _ARGV: list[str] = []  # the command line main() was given, for outputs that record it
@@ -280,8 +281,11 @@ def compare_kv_cmd(model, text_file, ctx, formats, budgets, prefill_chunk, devic
 @click.option("--expert-cache", "expert_cache", default=None,
               help="MoE models: also bench the resident rows with these shares of the experts in VRAM, "
                    "e.g. 25%,50%,100% (the rest read from pinned host memory).")
+@click.option("--spec", "spec_windows", default=None,
+              help="Also bench the resident rows with speculative decoding at these verify windows, e.g. 4 or 4,8 "
+                   "(acceptance and tokens a pass beside tok/s; each row's tokens are held to --spec 0's).")
 def bench(model, formats, streamed_formats, depths, runs, decode_tokens, check_tokens, peer, profile, device,
-          graph, max_context, out, append, expert_cache):
+          graph, max_context, out, append, expert_cache, spec_windows):
     """Measure prefill and decode tok/s per KV format, resident and streamed, at several depths."""
     from importlib import resources
     from pathlib import Path
@@ -306,6 +310,7 @@ def bench(model, formats, streamed_formats, depths, runs, decode_tokens, check_t
     if runs < 1 or decode_tokens < 1 or check_tokens < 0:
         raise StrataError("--runs and --decode-tokens must be >= 1, --check-tokens >= 0")
     shares = _shares(expert_cache) if expert_cache is not None else None
+    windows = _windows(spec_windows) if spec_windows is not None else None
     eng = load_engine(model=model, device=device, graph=graph, max_context=max_context)
     if shares and not eng.config.n_expert:
         raise StrataError("--expert-cache benches an MoE model's expert cache; this model is dense")
@@ -319,7 +324,7 @@ def bench(model, formats, streamed_formats, depths, runs, decode_tokens, check_t
         partial.write_text(json.dumps(result | about, indent=1))
 
     result = run_bench(eng, text, fmts, streamed, depth_list, runs, decode_tokens, check_tokens, peer, profile,
-                       lambda m: click.echo(m, err=True), progress, shares)
+                       lambda m: click.echo(m, err=True), progress, shares, windows)
     result |= about
     if earlier is not None:
         result = earlier | {k: v for k, v in result.items() if k not in ("rows", "peer", "command")} | {
@@ -339,6 +344,17 @@ def _shares(text: str) -> list[float]:
     if not shares or not all(0 <= s <= 1 for s in shares):
         raise StrataError(f"--expert-cache takes shares of the experts from 0% to 100%, e.g. 25%,50%,100%; got {text!r}")
     return shares
+
+
+def _windows(text: str) -> list[int]:
+    """bench --spec 4,8 -> [4, 8]: verify windows as run --spec takes them."""
+    try:
+        windows = [int(w) for w in text.split(",") if w.strip()]
+    except ValueError:
+        windows = []
+    if not windows or not all(2 <= w <= MAX_WINDOW for w in windows):
+        raise StrataError(f"--spec takes verify windows from 2 to {MAX_WINDOW}, e.g. 4 or 4,8; got {text!r}")
+    return windows
 
 
 def _formats(text: str, flag: str, allow_empty: bool = False) -> list[str]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..probes import DEGENERATE
+
 
 def _rate(x) -> str:
     return "-" if x is None else f"{x:,.0f}" if x >= 100 else f"{x:.1f}"
@@ -30,8 +32,16 @@ def table(result: dict) -> str:
         hits = "-" if r["hit_rate"] is None else f"{r['hit_rate']:.3f}"
         if r.get("experts"):  # an MoE row: the expert cache's hit rate (KV streaming has none here)
             hits = f"experts {r['experts']['hit_rate']:.3f}"
+        if r.get("loop", 0) > DEGENERATE:  # the free run goes round in a loop (probes.py)
+            check += f", **DEGENERATE**: loop score {r['loop']:.2f}"
+        sp = r.get("spec")
+        if sp:  # a --spec row: what the drafts bought, and whether the tokens are --spec 0's
+            check += (f"; {sp['drafts_accepted']}/{sp['drafts_offered']} drafts accepted, "
+                      f"{sp['tokens_per_pass']:.2f} tokens a pass")
+            if "identical" in sp:
+                check += ", same tokens as spec 0" if sp["identical"] else ", **NOT the spec 0 tokens**"
         name = f"{r['fmt']} {r['mode']}"
-        if c and c["broken"]:
+        if (c and c["broken"]) or r.get("loop", 0) > DEGENERATE or (sp and not sp.get("identical", True)):
             name = f"~~{name}~~"
         lines.append(f"| {name} | {r['depth']:,} | {_rate(r['prefill_tok_s'])} | {_rate(r['decode_tok_s'])} | "
                      f"{r['kv_bytes'] / 2**20:.1f} | {r['bytes_per_token'] / 2**20:.1f} | {gbs} | "

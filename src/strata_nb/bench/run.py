@@ -17,6 +17,7 @@ import numpy as np
 from ..errors import StrataError
 from ..kv.plan import StreamPlan
 from ..kv_layout import BLOCK, token_bytes
+from ..probes import DEGENERATE, loop_score, repetition_score
 from ..settings import SamplingSettings
 from .profile import STEPS, profile_decode
 
@@ -31,6 +32,7 @@ class Config:
     streamed: bool
     depth: int  # prompt tokens before the first decode step
     experts: tuple[int, int] | None = None  # MoE: (VRAM slots, experts in all); None = every expert resident
+    spec: int = 0  # speculative decoding's verify window (--spec); 0 = one token a step
 
     @property
     def mode(self) -> str:
@@ -38,13 +40,15 @@ class Config:
         if self.experts is not None:
             slots, every = self.experts
             mode += f", experts {slots}/{every} cached"
+        if self.spec:
+            mode += f", spec {self.spec}"
         return mode
 
     def settings(self, kv_window: int) -> dict:
-        experts = {} if self.experts is None else dict(expert_cache=self.experts[0])
+        extra = dict(spec=self.spec) | ({} if self.experts is None else dict(expert_cache=self.experts[0]))
         if not self.streamed:
-            return dict(kv=self.fmt, kv_resident=0, qsa_budget=0) | experts
-        return dict(kv=self.fmt, kv_resident=StreamPlan.minimum_cells(kv_window), qsa_budget=QSA_BUDGET) | experts
+            return dict(kv=self.fmt, kv_resident=0, qsa_budget=0) | extra
+        return dict(kv=self.fmt, kv_resident=StreamPlan.minimum_cells(kv_window), qsa_budget=QSA_BUDGET) | extra
 # --8<-- [end:bench_config]
 
 
@@ -64,6 +68,9 @@ class Row:
     hit_rate: float | None  # streamed: VRAM hits / block lookups
     tokens: list[int]  # the first greedy tokens (the prefill's pick first)
     experts: dict | None = None  # MoE: the expert cache over the timed steps (ExpertStats.as_dict, slots)
+    spec: dict | None = None  # --spec rows: passes, drafts offered and accepted over the timed steps
+    repetition: float = 0.0  # repetition_score of `tokens` (probes.py)
+    loop: float = 0.0  # loop_score of `tokens`: above DEGENERATE, a degenerate run
     check: dict | None = None
 
 
@@ -91,12 +98,19 @@ def kv_bytes_read(eng, depth: int) -> int:
 GREEDY = SamplingSettings()
 
 
-def decode(eng, step, tokens: list[int], pos: int, n: int) -> int:
+def decode(eng, step, tokens: list[int], pos: int, n: int, prompt: list[int], counts: dict) -> int:
     """Append n greedy tokens to `tokens`, the first decoded at `pos`; returns the next pos.
-    The engine's own loop: on the device step each next step is queued while the host
-    reads the last pick."""
-    tokens.extend(eng.tokens_after(tokens[-1], pos, n, GREEDY, None, step))
+    The engine's own loops: on the device step each next step is queued while the host
+    reads the last pick; with --spec, verify windows drafted from the prompt and tokens."""
+    if eng.settings.spec:
+        tokens.extend(eng.speculate(tokens[-1], pos, n, prompt + tokens[:-1], counts))
+    else:
+        tokens.extend(eng.tokens_after(tokens[-1], pos, n, GREEDY, None, step))
     return pos + n
+
+
+def spec_counts() -> dict:
+    return dict(passes=0, drafts_offered=0, drafts_accepted=0)
 
 
 def run_config(base, cfg: Config, prompt: list[int], runs: int, n_decode: int) -> tuple[Row, dict]:
@@ -105,8 +119,8 @@ def run_config(base, cfg: Config, prompt: list[int], runs: int, n_decode: int) -
     changes = cfg.settings(base.settings.kv_window)
     warm = base.derive(**changes)  # compile this format's kernels, untimed
     short = prompt[: base.settings.prefill_chunk + 1]  # a full chunk (tiled matmul) and a short one
-    decode(warm, warm.device_step(), [int(np.argmax(warm.prefill(short)))], len(short), WARMUP)
-    prefill_rates, decode_rates, tokens, layer0, expert_runs = [], [], None, None, []
+    decode(warm, warm.device_step(), [int(np.argmax(warm.prefill(short)))], len(short), WARMUP, short, spec_counts())
+    prefill_rates, decode_rates, tokens, layer0, expert_runs, spec_runs = [], [], None, None, [], []
     for _ in range(runs):
         eng = base.derive(**changes)
         t0 = time.perf_counter()
@@ -114,16 +128,20 @@ def run_config(base, cfg: Config, prompt: list[int], runs: int, n_decode: int) -
         prefill_rates.append(len(prompt) / (time.perf_counter() - t0))
         if layer0 is None:  # untimed, between the prefill and the decode steps
             layer0 = eng.kv.snapshot(len(prompt), [0])["layers"][0]
-        step = eng.device_step()
+        step = None if cfg.spec else eng.device_step()
         run_tokens = [int(np.argmax(logits))]
-        pos = decode(eng, step, run_tokens, len(prompt), WARMUP)
+        pos = decode(eng, step, run_tokens, len(prompt), WARMUP, prompt, spec_counts())
         experts = eng.weights.experts
         before = experts.stats() if experts is not None else None
+        counts = spec_counts()
         t0 = time.perf_counter()
-        decode(eng, step, run_tokens, pos, n_decode)
+        decode(eng, step, run_tokens, pos, n_decode, prompt, counts)
         decode_rates.append(n_decode / (time.perf_counter() - t0))
         if experts is not None:
             expert_runs.append(experts.stats().since(before).as_dict() | {"slots": experts.n_slots})
+        if cfg.spec:
+            spec_runs.append(counts | dict(window=cfg.spec, acceptance_rate=counts["drafts_accepted"] / max(
+                1, counts["drafts_offered"]), tokens_per_pass=n_decode / max(1, counts["passes"])))
         if tokens is None:
             tokens = run_tokens
         elif run_tokens != tokens:  # the same prompt must give the same tokens every run
@@ -133,14 +151,15 @@ def run_config(base, cfg: Config, prompt: list[int], runs: int, n_decode: int) -
     return Row(cfg.fmt, cfg.mode, cfg.depth, statistics.median(prefill_rates), rate, prefill_rates, decode_rates,
                bool(step is not None and step.use_graph), cfg.depth * token_bytes(cfg.fmt, base.config), per_token,
                per_token * rate / 1e9, eng.kv.counters.hit_rate if eng.kv.streamed else None, tokens,
-               _median_run(expert_runs, decode_rates)), layer0
+               _median_run(expert_runs, decode_rates), _median_run(spec_runs, decode_rates),
+               repetition_score(tokens), loop_score(tokens)), layer0
 
 
-def _median_run(expert_runs: list[dict], rates: list[float]) -> dict | None:
-    """The expert cache's figures of the run whose decode rate is the median."""
-    if not expert_runs:
+def _median_run(runs: list[dict], rates: list[float]) -> dict | None:
+    """The figures (the expert cache's, speculation's) of the run whose decode rate is the median."""
+    if not runs:
         return None
-    return expert_runs[sorted(range(len(rates)), key=rates.__getitem__)[len(rates) // 2]]
+    return runs[sorted(range(len(rates)), key=rates.__getitem__)[len(rates) // 2]]
 # --8<-- [end:bench_one]
 
 
@@ -178,10 +197,12 @@ def profile_depth(depth: int) -> int:
 
 def bench(base, text: str, formats: list[str], streamed_formats: list[str], depths: list[int], runs: int,
           n_decode: int, check_n: int, peer: bool, profile: bool, log, progress=None,
-          expert_shares: list[float] | None = None) -> dict:
+          expert_shares: list[float] | None = None, spec_windows: list[int] | None = None) -> dict:
     """Every configuration, the output check, the peer and the profile, as one dict.
     expert_shares: an MoE model's resident rows again with this share of its experts in VRAM
     slots each (0.25, 0.5, 1.0), the rest read from host memory.
+    spec_windows: the resident rows again with speculative decoding at each verify window;
+    a spec row's tokens must be its --spec 0 row's (greedy identity), checked here.
     check_n: how many of each configuration's first greedy tokens the numpy backend checks.
     progress(result): called with the dict so far after each row, the peer and the
     profile (rows not yet checked have no "check"), so a run cut short keeps its rows."""
@@ -214,11 +235,21 @@ def bench(base, text: str, formats: list[str], streamed_formats: list[str], dept
         if expert_shares and base.config.n_expert:
             every = base.config.n_layers * base.config.n_expert
             configs += [Config(f, False, depth, (round(share * every), every)) for f in formats for share in expert_shares]
+        configs += [Config(f, False, depth, spec=t) for f in formats for t in spec_windows or []]
+        one_token = {}  # fmt -> the --spec 0 row's tokens at this depth
         for cfg in configs:
             row, layer0 = run_config(base, cfg, prompt, runs, n_decode)
+            if not cfg.spec and cfg.experts is None and not cfg.streamed:
+                one_token[cfg.fmt] = row.tokens
+            if cfg.spec and cfg.fmt in one_token:
+                row.spec["identical"] = row.tokens == one_token[cfg.fmt]
             log(f"{cfg.fmt} {cfg.mode} at {depth}: prefill {row.prefill_tok_s:,.0f} tok/s, "
                 f"decode {row.decode_tok_s:,.1f} tok/s"
-                + (f", expert hit rate {row.experts['hit_rate']:.3f}" if row.experts else ""))
+                + (f", expert hit rate {row.experts['hit_rate']:.3f}" if row.experts else "")
+                + (f", {row.spec['drafts_accepted']} of {row.spec['drafts_offered']} drafts accepted, "
+                   f"{row.spec['tokens_per_pass']:.2f} tokens a pass"
+                   + ("" if row.spec.get("identical", True) else ", NOT the --spec 0 tokens") if row.spec else "")
+                + (f", DEGENERATE (loop score {row.loop:.2f})" if row.loop > DEGENERATE else ""))
             if pool:
                 checks.append(pool.submit(checking.check_job, asdict(base.settings) | {"model": str(base.model.path)},
                                           cfg.settings(base.settings.kv_window),
