@@ -36,16 +36,17 @@ def table(rng, n_slots):
     return res
 
 
-@pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
-def test_route_matches_the_reference(qtype):
+@pytest.mark.parametrize("qtype, d", [("F32", D), ("Q8_0", D), ("F32", 1088)])
+def test_route_matches_the_reference(qtype, d):
+    """d = 1,088: a router row longer than the parts a lane reads ahead (PRELOAD)."""
     rng = np.random.default_rng(1)
-    x = rng.standard_normal((T, D)).astype(np.float32)
-    norm = (1 + 0.1 * rng.standard_normal(D)).astype(np.float32)
-    raw = quantized(rng, qtype, (E, D), scale=0.3)
+    x = rng.standard_normal((T, d)).astype(np.float32)
+    norm = (1 + 0.1 * rng.standard_normal(d)).astype(np.float32)
+    raw = quantized(rng, qtype, (E, d), scale=0.3)
     res = table(rng, 2)
     outs = {}
     for name, fn, router in (("ref", route_ref, dequantize(raw, qtype)), ("kernel", route, raw)):
-        x_norm = np.zeros((T, D), np.float32)
+        x_norm = np.zeros((T, d), np.float32)
         chosen = np.zeros((T, K), np.int32)
         weights = np.zeros((T, K), np.float32)
         lookups = np.full(LAYERS * E, 5, np.int32)  # counters only grow: start them anywhere

@@ -18,10 +18,12 @@ them between steps and take differences (experts/cache.py).
 One thread block per token. Its threads first norm the token's row (as rmsnorm.py does)
 into shared memory, then each warp takes experts in turn and dots the normed row with the
 expert's router row (as matvec's plain kernel does a row of W). The softmax and top-K are
-E and K steps of scalar work: thread 0 does them in shared memory; then K threads write
-the choices and count them, in parallel. A decode step has one such block: it is a chain
-of memory round trips, and the kernel is shaped to keep the chain short (the row in
-shared memory, a warp per expert, the K writes side by side).
+small: every thread takes the max and the sum over the E logits, and each expert's thread
+works out its rank; then K threads write the choices and count them, in parallel. A
+decode step has one such block, and its time is a chain of memory round trips, so the
+kernel is shaped to keep the chain short: each warp's router row is read at the start,
+beside the token's row rather than after the norm; the normed row is kept in shared
+memory; no step waits on one thread's loop; the K writes go side by side.
 
 Tolerance: the ids must equal the reference's; the weights are within `weights_tolerance`
 (see there). Ids can differ only where two experts' probabilities are within the logits'
@@ -80,6 +82,9 @@ def weights_tolerance(x_norm, router):
 
 
 # --8<-- [start:route_kernel]
+PRELOAD = 4  # parts of its router row a lane loads before the norm (all of them for D <= 1,024)
+
+
 def make_route_kernel(part, nibbles):
     """The router kernel for one type of router row (its dequantizer `part`)."""
 
@@ -94,7 +99,17 @@ def make_route_kernel(part, nibbles):
         t, tid = cuda.blockIdx.x, cuda.threadIdx.x
         lane, warp, n_warps = tid % WARP, tid // WARP, cuda.blockDim.x // WARP
         d, n_expert, k = x.shape[1], ra.shape[0], chosen.shape[1]
-        # The norm, as rmsnorm_kernel: each thread a strided share of the row. The normed
+        n_parts = d // PART
+        # 1. Warp w's first expert's router row, read before anything else: it does not
+        # depend on x, so these loads are in flight while the norm's are. A lane holds
+        # parts lane, lane + 32, ... (its share of the dot product, in the order it adds them).
+        w = cuda.local.array((PRELOAD, PART), float32)
+        if warp < n_expert:
+            for i in range(PRELOAD):
+                q = lane + i * WARP
+                if q < n_parts:
+                    part(ra[warp], rb[warp], q // PARTS, q % PARTS, w[i])
+        # 2. The norm, as rmsnorm_kernel: each thread a strided share of the row. The normed
         # row is kept in shared memory too: the logits read it from there, not back from
         # global memory (each read of global memory is a round trip this one block waits for).
         row = cuda.shared.array(MAX_DIM, float32)  # (D,) the normed row
@@ -107,54 +122,60 @@ def make_route_kernel(part, nibbles):
             row[j] = row[j] * inv * norm[j]
             x_norm[t, j] = row[j]
         cuda.syncthreads()  # the normed row is whole before any warp reads it
-        # One logit per expert: warp w takes experts w, w + n_warps, ...; every warp runs
-        # the same number of rounds, because warp_sum is a block-wide barrier under the simulator.
+        # 3. One logit per expert: warp w takes experts w, w + n_warps, ... (as matvec's plain
+        # kernel takes rows of W); every warp runs the same number of rounds, because
+        # warp_sum is a block-wide barrier under the simulator. Parts not loaded in step 1
+        # (later experts, rows longer than PRELOAD parts a lane) are loaded here.
         p = cuda.shared.array(MAX_EXPERTS, float32)  # (E,) logits, then probabilities
-        w = cuda.local.array(PART, float32)
         for first in range(0, n_expert, n_warps):
             e = first + warp
             acc = float32(0.0)
             if e < n_expert:
-                for q in range(lane, d // PART, WARP):
-                    blk, part_index = q // PARTS, q % PARTS
-                    part(ra[e], rb[e], blk, part_index, w)
-                    lo, hi = part_runs(nibbles, part_index)
-                    lo, hi = blk * QK + lo, blk * QK + hi
+                for q in range(lane, n_parts, WARP):
+                    i = q // WARP
+                    if first > 0 or i >= PRELOAD:
+                        part(ra[e], rb[e], q // PARTS, q % PARTS, w[i % PRELOAD])
+                    lo, hi = part_runs(nibbles, q % PARTS)
+                    lo, hi = (q // PARTS) * QK + lo, (q // PARTS) * QK + hi
                     for j in range(4):
-                        acc += w[j] * row[lo + j] + w[4 + j] * row[hi + j]
+                        acc += w[i % PRELOAD, j] * row[lo + j] + w[i % PRELOAD, 4 + j] * row[hi + j]
             total = warp_sum(acc)
             if lane == 0 and e < n_expert:
                 p[e] = total
         cuda.syncthreads()
+        # 4. The softmax over all E (as the reference takes its top K from) and the top K.
+        # Every thread scans the E logits for the max and the sum itself (the same order,
+        # so the same bits in every thread); then each expert's thread counts the experts
+        # that beat it, its rank. No thread waits on another's E x K loop.
+        top = p[0]
+        for e in range(1, n_expert):
+            top = max(top, p[e])
+        total = float32(0.0)
+        for e in range(n_expert):
+            total += math.exp(p[e] - top)
+        cuda.syncthreads()  # every thread has its max and sum before p is overwritten
+        for e in range(tid, n_expert, cuda.blockDim.x):
+            p[e] = math.exp(p[e] - top) / total
+        cuda.syncthreads()
         picked = cuda.shared.array(MAX_USED, int32)  # (K,) the chosen ids, most probable first
         picked_p = cuda.shared.array(MAX_USED, float32)  # (K,) their probabilities
-        kept = cuda.shared.array(1, float32)  # the K probabilities' sum
-        if tid == 0:  # E and K steps of scalar work, all in shared memory
-            top = p[0]
-            for e in range(1, n_expert):
-                top = max(top, p[e])
-            total = float32(0.0)
-            for e in range(n_expert):
-                p[e] = math.exp(p[e] - top)
-                total += p[e]
-            for e in range(n_expert):
-                p[e] = p[e] / total  # the softmax over all E, as the reference takes its top K from
-            kept[0] = float32(0.0)
-            for r in range(k):  # K rounds of argmax; a taken expert's p becomes -1
-                best, best_p = 0, float32(-1.0)
-                for e in range(n_expert):
-                    if p[e] > best_p:  # strictly greater: a tie goes to the lower id
-                        best, best_p = e, p[e]
-                picked[r], picked_p[r] = best, best_p
-                kept[0] += best_p
-                p[best] = float32(-1.0)
+        for e in range(tid, n_expert, cuda.blockDim.x):
+            rank = 0
+            for o in range(n_expert):  # more probable, or as probable with a lower id
+                if p[o] > p[e] or (p[o] == p[e] and o < e):
+                    rank += 1
+            if rank < k:
+                picked[rank], picked_p[rank] = e, p[e]
         cuda.syncthreads()
-        # The writes and the cache's counting, one thread per chosen expert: in parallel,
+        # 5. The writes and the cache's counting, one thread per chosen expert: in parallel,
         # because each is a round trip to global memory.
         if tid < k:
             e = picked[tid]
+            kept = float32(0.0)  # the K probabilities' sum, in rank order
+            for r in range(k):
+                kept += picked_p[r]
             chosen[t, tid] = e
-            weights[t, tid] = picked_p[tid] / kept[0]
+            weights[t, tid] = picked_p[tid] / kept
             cuda.atomic.add(lookups, at + e, int32(1))
             if res[at + e] >= 0:
                 cuda.atomic.add(hits, at + e, int32(1))
