@@ -86,7 +86,8 @@ def cli(ctx):
 @click.option("--top-p", type=float, default=1.0, show_default=True, help="1 = off.")
 @click.option("--seed", type=int, default=None, help="Seed for sampling (temperature > 0).")
 @click.option("--raw", is_flag=True, help="Send the prompt as is, without the chat template.")
-@click.option("--stats", is_flag=True, help="Print prompt tokens, prefill and decode tok/s to stderr.")
+@click.option("--stats", is_flag=True,
+              help="Print load and warm-up time, prefill tok/s and the steady decode tok/s to stderr.")
 def run(prompt, max_tokens, temperature, top_k, top_p, seed, raw, stats, **engine_kw):
     """Generate from PROMPT (or stdin), streaming text to stdout as tokens come."""
     from tqdm import tqdm
@@ -118,9 +119,15 @@ def run(prompt, max_tokens, temperature, top_k, top_p, seed, raw, stats, **engin
         bar.close()
     sys.stdout.write("\n")
     if stats:
+        from .engine.engine import WARM_STEPS
+
         s = eng.last_stats
+        warm = "kernels compiled, " if s.compiled else ""
+        warm += f"the first {WARM_STEPS} decode steps" if s.decode_steps and s.generated_tokens - 1 > WARM_STEPS else ""
+        click.echo(f"load: {s.load_seconds:.2f} s, warm-up: {s.warmup_seconds:.2f} s" + (f" ({warm.rstrip(', ')})"
+                   if warm else ""), err=True)
         click.echo(f"prompt tokens: {s.prompt_tokens}, prefill: {s.prefill_tok_s:.1f} tok/s, "
-                   f"generated: {s.generated_tokens}, decode: {s.decode_tok_s:.1f} tok/s "
+                   f"generated: {s.generated_tokens}, decode: {s.decode_tok_s:.1f} tok/s over {s.decode_steps} steps "
                    f"({s.finish_reason})", err=True)
         if eng.kv.streamed:
             c = eng.kv.counters

@@ -140,3 +140,23 @@ def test_greedy_generate_on_the_device_step_equals_the_numpy_backend(tiny_model,
     "".join(cpu.generate_ids(prompt, SamplingSettings(max_tokens=3), on_token=want.append))
     "".join(eng.generate_ids(prompt, SamplingSettings(max_tokens=3), on_token=got.append))
     assert got == want and len(got) == 3 and eng.last_stats.finish_reason == "length"
+
+
+def test_compile_time_is_warm_up_not_decode(eng, step):
+    """The device step's first launch made slow, as a first launch that compiles is on a
+    GPU: generate's stats put it in warm-up, and the decode rate is the other steps'."""
+    from test_run_stats import SLOW, slow_first_call
+
+    from strata_nb.engine.engine import WARM_STEPS
+
+    eng.prefill = lambda ids, on_chunk=None: np.eye(VOCAB, dtype=np.float32)[40]
+    eng.device_step = lambda *args: step
+    stops, eng.tokenizer.stop_ids = eng.tokenizer.stop_ids, set()  # the stand-in's tokens run to max_tokens
+    slow_first_call(step, "launch")
+    try:
+        "".join(eng.generate_ids([3 + ord(c) for c in "ab"], SamplingSettings(max_tokens=10)))
+    finally:
+        del eng.prefill, eng.device_step
+        eng.tokenizer.stop_ids = stops
+    s = eng.last_stats
+    assert s.decode_steps == 10 - 1 - WARM_STEPS and s.warmup_seconds >= SLOW > s.decode_seconds

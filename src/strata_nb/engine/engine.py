@@ -14,7 +14,10 @@ import numpy as np
 
 from ..backend import get_backend
 from ..errors import SettingError, StrataError
+from ..gpu.geometry import SIMULATED
+from ..kernels.dense.matvec_fused import MAX_ROWS
 from ..kv.cache import KVCache
+from ..kv_layout import BLOCK
 from ..model.fetch import ensure_default_model
 from ..model.gguf_file import GGUFModel
 from ..model.weights import load_weights
@@ -27,14 +30,26 @@ from .sampling import sample
 
 
 REPETITION_STOP = 256  # a reply that repeats one token this many times in a row is stopped (as Strata's)
+# Decode steps a run's stats time apart from the rest: on a GPU the first runs its kernels
+# one by one and the second captures the CUDA graph the others replay.
+WARM_STEPS = 2
 
 
+# --8<-- [start:run_stats]
 @dataclass
 class RunStats:
+    """Where a run's time went, phase by phase. The decode rate is the steady one: the
+    first WARM_STEPS steps are counted as warm-up (when the run has more), as is compiling
+    the kernels on their first use in the process (`Engine.warm_up`)."""
+
     prompt_tokens: int = 0
     generated_tokens: int = 0
+    load_seconds: float = 0.0  # opening the model and building the engine (Engine.load)
+    warmup_seconds: float = 0.0  # compiling kernels on first use, and the first WARM_STEPS decode steps
+    compiled: bool = False  # this run compiled the kernels (the first run of its settings in the process)
     prefill_seconds: float = 0.0
-    decode_seconds: float = 0.0
+    decode_seconds: float = 0.0  # the steady decode steps
+    decode_steps: int = 0  # how many steps decode_seconds times
     finish_reason: str = ""
     extra: dict = field(default_factory=dict)
 
@@ -44,13 +59,13 @@ class RunStats:
 
     @property
     def decode_tok_s(self) -> float:
-        # the first generated token comes from the prefill's logits; each later one is a step
-        steps = max(self.generated_tokens - 1, 0)
-        return steps / self.decode_seconds if self.decode_seconds else 0.0
+        return self.decode_steps / self.decode_seconds if self.decode_seconds else 0.0
+# --8<-- [end:run_stats]
 
 
 class Engine:
-    def __init__(self, settings: Settings, model: GGUFModel, be, shared: "Engine | None" = None):
+    def __init__(self, settings: Settings, model: GGUFModel, be, shared: "Engine | None" = None,
+                 quiet: bool = False):
         self.settings, self.model, self.be = settings, model, be
         self.config = model.config
         if settings.max_context is None:
@@ -67,7 +82,8 @@ class Engine:
             self.tokenizer = Tokenizer(model)
             self.weights = load_weights(be, model)
         self.kv = KVCache(be, self.config, settings)
-        if self.kv.streamed:
+        self.load_seconds = 0.0  # set by Engine.load
+        if self.kv.streamed and not quiet:
             print(self.kv.describe(), file=sys.stderr)
         if self.config.n_expert:
             self._expert_cache(shared)
@@ -103,17 +119,57 @@ class Engine:
         settings = Settings(model=model, kv=kv, kv_resident=kv_resident, device=device,
                             max_context=max_context, **more)
         path = settings.model or ensure_default_model()
-        return cls(settings, GGUFModel(path), get_backend(settings.device))
+        t0 = time.perf_counter()
+        eng = cls(settings, GGUFModel(path), get_backend(settings.device))
+        eng.load_seconds = time.perf_counter() - t0
+        return eng
 
-    def derive(self, **changes) -> "Engine":
+    def derive(self, quiet: bool = False, **changes) -> "Engine":
         """A new engine with other KV settings (kv, kv_resident, qsa_budget, ...) that shares
-        this one's model, backend and weights: comparisons without loading twice."""
+        this one's model, backend and weights: comparisons without loading twice. quiet:
+        it does not describe its caches on stderr."""
         from dataclasses import asdict
 
         settings = Settings(**(asdict(self.settings) | changes))
         if settings.device != self.settings.device or settings.model != self.settings.model:
             raise StrataError("derive() keeps the model and device; load a new Engine to change them")
-        return Engine(settings, self.model, self.be, shared=self)
+        return Engine(settings, self.model, self.be, shared=self, quiet=quiet)
+
+    # --8<-- [start:warm_up]
+    _warm: set = set()  # the settings whose kernels this process has compiled
+
+    def warm_up(self, ids: list[int]) -> bool:
+        """Compile this engine's kernels before a run times anything, the first time these
+        settings run in the process on a GPU: Numba compiles each kernel on its first
+        launch, so afterwards the run's prefill and decode are the kernels' time, not the
+        compiler's. (Under the simulator nothing compiles.) Returns whether it compiled."""
+        key = repr(self.settings)
+        if self.be.name != "cuda" or SIMULATED or key in Engine._warm:
+            return False
+        print("compiling kernels (first use of these settings in this process)...", file=sys.stderr, flush=True)
+        self.run_scratch(ids)
+        Engine._warm.add(key)
+        return True
+
+    def run_scratch(self, ids: list[int]):
+        """Launch every kernel a run of these settings launches, on a scratch engine (the
+        same weights, a small cache of its own, so this one's cache is not touched): a
+        prompt chunk of a few of the prompt's tokens, then a few decode steps (or verify
+        windows), the first eager and the next captured, as a run's are."""
+        s = self.settings
+        warm = ids[: MAX_ROWS + 2]  # a chunk of more rows than a step or window has: the prompt kernels
+        room = len(warm) + 2 * s.spec + WARM_STEPS + 2
+        context = -(-max(room, s.kv_resident + 2 * BLOCK) // BLOCK) * BLOCK  # streamed stays streamed
+        scratch = self.derive(quiet=True, max_context=min(s.max_context, context))
+        token = int(np.argmax(scratch.prefill(warm)))
+        if s.spec:
+            counts = dict(passes=0, drafts_offered=0, drafts_accepted=0)
+            list(scratch.speculate(token, len(warm), WARM_STEPS + 1, warm, counts))
+        else:
+            list(scratch.tokens_after(token, len(warm), WARM_STEPS + 1, SamplingSettings(), None,
+                                      scratch.device_step()))
+        self.be.synchronize()
+    # --8<-- [end:warm_up]
 
     # ---- text ---------------------------------------------------------------------------
     def tokenize(self, text: str) -> list[int]:
@@ -260,7 +316,10 @@ class Engine:
         if self.settings.spec and s.temperature != 0:
             raise SettingError("spec", "verifies greedy picks: it needs --temperature 0")
         rng = np.random.default_rng(s.seed)
-        stats = self.last_stats = RunStats(prompt_tokens=len(ids))
+        stats = self.last_stats = RunStats(prompt_tokens=len(ids), load_seconds=self.load_seconds)
+        t0 = time.perf_counter()
+        stats.compiled = self.warm_up(ids)
+        stats.warmup_seconds = time.perf_counter() - t0
         experts = self.weights.experts
         experts_before = experts.stats() if experts is not None else None
         decoder = StreamDecoder(self.tokenizer)
@@ -278,12 +337,15 @@ class Engine:
         else:
             later = self.tokens_after(token, pos, n, s, rng, self.device_step(s, rng))
         run, last = 0, None  # the current run of one repeated token
+        steady = None  # when the first WARM_STEPS steps were done
         try:
             while True:
                 if token in self.tokenizer.stop_ids:
                     stats.finish_reason = "stop"
                     break
                 stats.generated_tokens += 1
+                if stats.generated_tokens == 1 + WARM_STEPS:  # the prefill's token and the warm-up steps' are out
+                    steady = time.perf_counter()
                 if on_token:
                     on_token(token)
                 piece = decoder.push(token)
@@ -300,7 +362,12 @@ class Engine:
                 pos += 1
         finally:
             later.close()  # waits for a step queued past the stop
-        stats.decode_seconds = time.perf_counter() - t0
+        end, steps = time.perf_counter(), max(stats.generated_tokens - 1, 0)
+        if steady is not None and steps > WARM_STEPS:  # time the steady steps; the first ones are warm-up
+            stats.warmup_seconds += steady - t0
+            stats.decode_seconds, stats.decode_steps = end - steady, steps - WARM_STEPS
+        else:  # too short a run to have steady steps: all of them
+            stats.decode_seconds, stats.decode_steps = end - t0, steps
         if experts is not None:
             stats.extra["experts"] = experts.stats().since(experts_before).as_dict()
         if self.settings.spec:
