@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..engine.engine import spec_counts
 from ..errors import StrataError
 from ..kv.plan import StreamPlan
 from ..kv_layout import BLOCK, token_bytes
@@ -107,10 +108,6 @@ def decode(eng, step, tokens: list[int], pos: int, n: int, prompt: list[int], co
     else:
         tokens.extend(eng.tokens_after(tokens[-1], pos, n, GREEDY, None, step))
     return pos + n
-
-
-def spec_counts() -> dict:
-    return dict(passes=0, drafts_offered=0, drafts_accepted=0)
 
 
 def run_config(base, cfg: Config, prompt: list[int], runs: int, n_decode: int) -> tuple[Row, dict]:

@@ -35,6 +35,11 @@ REPETITION_STOP = 256  # a reply that repeats one token this many times in a row
 WARM_STEPS = 2
 
 
+def spec_counts() -> dict:
+    """What `Engine.speculate` counts as it goes: verify passes, drafts offered, accepted."""
+    return dict(passes=0, drafts_offered=0, drafts_accepted=0)
+
+
 # --8<-- [start:run_stats]
 @dataclass
 class RunStats:
@@ -163,8 +168,7 @@ class Engine:
         scratch = self.derive(quiet=True, max_context=min(s.max_context, context))
         token = int(np.argmax(scratch.prefill(warm)))
         if s.spec:
-            counts = dict(passes=0, drafts_offered=0, drafts_accepted=0)
-            list(scratch.speculate(token, len(warm), WARM_STEPS + 1, warm, counts))
+            list(scratch.speculate(token, len(warm), WARM_STEPS + 1, warm, spec_counts()))
         else:
             list(scratch.tokens_after(token, len(warm), WARM_STEPS + 1, SamplingSettings(), None,
                                       scratch.device_step()))
@@ -331,8 +335,7 @@ class Engine:
         # a step decodes at each pos < max_context while fewer than max_tokens are out
         n = min(s.max_tokens - 1, self.settings.max_context - pos)
         if self.settings.spec:
-            counts = stats.extra["spec"] = dict(window=self.settings.spec, passes=0, drafts_offered=0,
-                                                drafts_accepted=0)
+            counts = stats.extra["spec"] = dict(window=self.settings.spec, **spec_counts())
             later = self.speculate(token, pos, n, ids, counts)
         else:
             later = self.tokens_after(token, pos, n, s, rng, self.device_step(s, rng))
