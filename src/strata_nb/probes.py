@@ -3,9 +3,9 @@
 The missing-mirror bug class (Strata #1188: one writer path skips the host copy) passes
 the checks a developer reaches for first. Needle retrieval still works, because the
 prompt was written by a path that keeps the mirror; the first tokens still match, because
-the lost cells are read back only after they leave VRAM. What shows is the text: free
-generation, a few hundred tokens on, turns to repetition. And the cache itself: a block
-in a VRAM slot whose host copy differs.
+the lost cells are read back only after they leave VRAM. What shows every time is the
+cache itself: a block in a VRAM slot whose host copy differs. The text shows it some of
+the time: free generation, a few hundred tokens on, can fall into a loop.
 
 - `repetition_score`: how much of a run of tokens repeats itself, the share of its
   n-grams already seen earlier in it; `loop_score`, the share seen within the last few
