@@ -263,6 +263,80 @@ def compare_kv_cmd(model, text_file, ctx, formats, budgets, prefill_chunk, devic
 
 
 @cli.command()
+@click.option("--model", type=click.Path(dir_okay=False), default=None, help="GGUF file.")
+@click.option("--kv", type=KV_CHOICE, default="fp16", show_default=True, help="KV cache format.")
+@click.option("--kv-resident", type=int, default=0, show_default=True,
+              help="KV cells per layer kept in VRAM; 0 = fully resident.")
+@click.option("--kv-window", type=int, default=256, show_default=True,
+              help="Recent KV cells per layer: the VRAM ring when streaming, and QSA's always-read window.")
+@click.option("--max-context", type=int, default=None,
+              help="KV cells per layer (default: the model's trained context); the longest --lengths must fit.")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+@click.option("--prefill-chunk", type=int, default=None,
+              help="Prompt tokens per forward pass (default: 256 on the CPU, 2048 on a GPU).")
+@click.option("--lengths", default="2048,4096,8192", show_default=True,
+              help="Context lengths in tokens: each case's prompt fills one, less the reply's --max-tokens.")
+@click.option("--depths", default="0,0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1", show_default=True,
+              help="Where the fact sits, as the share of the filler before it: 0 = the first paragraph, "
+                   "1 = the last, just before the question (11 depths by default).")
+@click.option("--budgets", default="0,512,1024", show_default=True,
+              help="QSA budgets in KV cells a decode query reads; 0 = full attention.")
+@click.option("--trials", type=int, default=2, show_default=True, help="Facts per (length, depth) cell.")
+@click.option("--max-tokens", type=int, default=16, show_default=True, help="Reply tokens (greedy).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the filler and the facts.")
+@click.option("--out", type=click.Path(file_okay=False), default=None,
+              help="Folder to write needle.json, needle.md and needle.png (the heat map) to.")
+@click.option("--json", "as_json", is_flag=True, help="Print the JSON (with every reply) instead of the table.")
+def needle(lengths, depths, budgets, trials, max_tokens, seed, out, as_json, **engine_kw):
+    """Retrieval accuracy of a planted fact per (depth, length), full attention beside QSA budgets."""
+    from importlib.util import find_spec
+    from pathlib import Path
+
+    from tqdm import tqdm
+
+    from . import needle as probe
+
+    grid = probe.check(_numbers(lengths, "--lengths", int, "token counts"),
+                       _numbers(depths, "--depths", float, "shares from 0 to 1"),
+                       _numbers(budgets, "--budgets", int, "cell counts"), trials, max_tokens, seed)
+    plot = out is not None and find_spec("matplotlib") is not None
+    if out is not None and not plot:
+        click.echo("strata-nb: needle.png needs matplotlib (pip install 'strata-nb[bench]'); "
+                   "writing needle.json and needle.md only", err=True)
+    eng = load_engine(**engine_kw)
+    probe.check(*grid, trials, max_tokens, seed, eng.settings.max_context)  # before the progress bar shows
+    with tqdm(total=len(grid[0]) * len(grid[1]) * trials * len(grid[2]), unit="reply", desc="needle",
+              file=sys.stderr, disable=as_json) as bar:
+        result = probe.run(eng, *grid, trials, max_tokens, progress=bar.update, seed=seed)
+    result["settings"]["device"] = _device_name(eng.be)
+    result["command"] = "strata-nb " + shlex.join(_ARGV)
+    if out is not None:
+        folder = Path(out)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "needle.json").write_text(json.dumps(result, indent=1))
+        s = result["settings"]
+        (folder / "needle.md").write_text(
+            f"# strata-nb needle\n\n`{result['command']}`\n\nModel: {Path(s['model']).name}; device: {s['device']}; "
+            f"kv {s['kv']}, kv_resident {s['kv_resident']}, kv_window {s['kv_window']}; "
+            f"{probe.facts_per_cell(result)}, {s['max_tokens']}-token greedy replies. A cell is the share of "
+            f"replies that hold the planted fact's answer.\n\n{probe.table(result)}\n")
+        written = [folder / "needle.json", folder / "needle.md"]
+        if plot:
+            written.append(probe.heatmap(result, folder / "needle.png"))
+        for path in written:
+            click.echo(str(path), err=True)
+    click.echo(json.dumps(result, indent=1) if as_json else probe.table(result))
+
+
+def _numbers(text: str, flag: str, kind, what: str) -> list:
+    """--lengths 2048,4096 -> [2048, 4096]: comma-separated numbers of one kind (int or float)."""
+    try:
+        return [kind(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise StrataError(f"{flag} takes comma-separated {what}, got {text!r}") from None
+
+
+@cli.command()
 @click.option("--model", type=click.Path(dir_okay=False), default=None,
               help="GGUF file (default: the default model). Speed depends on its shapes only.")
 @click.option("--formats", default="fp16,int8,q4_0,k8v4", show_default=True, help="KV formats, fully resident.")
