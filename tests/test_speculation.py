@@ -13,11 +13,9 @@ controls:
   streamed; a rounding can move a quantized code by one, and deeper layers carry the
   earlier ones'); the fault leaves the window's cells out of the host copy (38% of the
   bytes differ). The test allows 15%;
-- QSA's block bounds count only the cells a window keeps: checked on the cache itself,
-  exactly (a window's bounds after the run differ from the one-token path's by the same
-  roundings, up to 5% of a layer's largest bound in the deepest layers of the run here,
-  so an end-to-end comparison could not tell a widened bound from them). Keeping a
-  rejected cell's K fails it.
+- QSA's key sketch holds what the one-token path writes once the next window has written
+  over a rejected tail: checked on the cache itself, exactly (end to end, the roundings
+  above would hide a difference).
 
 The default model continues the bundled document (150 tokens of it, raw), 96 tokens.
 Windows of 5 cross block boundaries (every 64 cells) and, streamed with a ring of 64
@@ -74,7 +72,7 @@ def differing_share(a, b, end: int) -> float:
     """The share of the bytes of cells [0, end) that differ between two snapshots."""
     differ = total = 0
     for la, lb in zip(a["layers"], b["layers"]):
-        for f in la.keys() - {"kmin", "kmax"}:
+        for f in la.keys() - {"sketch"}:
             x, y = (s[f].swapaxes(1, 2) for s in (la, lb))  # (blocks, BLOCK, n_kv, per_head)
             x, y = (s.reshape(-1, *s.shape[2:])[:end].view(np.uint8) for s in (x, y))
             differ, total = differ + int((x != y).sum()), total + x.size
@@ -123,33 +121,38 @@ def test_negative_control_verify_no_mirror_fails_the_parity_tests(default_model_
 
 
 @pytest.mark.parametrize("fmt", ["fp16", "q4_0", "k8v4"])
-def test_a_window_s_bounds_count_only_the_cells_it_keeps(fmt, tiny_model):
-    """Cells 70..74 in one window, the last two rejected (one of them far outside every
-    bound): after keep(3) the bounds are those of a cache that appended 70..72 alone, bit
-    for bit. Keeping all 5 (the negative control) widens them."""
+def test_a_rejected_cell_s_sketch_is_written_over(fmt, tiny_model):
+    """Cells 70..74 in one window, the last two rejected (one of them far from every other
+    K), then the next window at 73..77: the key sketch is then the sketch of a cache that
+    appended 70..77 alone, bit for bit. Before the second window the rejected cell's sketch
+    is there (the negative control), in the block of the next query, which selection
+    always reads and never scores."""
     from strata_nb.backend.numpy_backend import NumpyBackend
     from strata_nb.model.gguf_file import GGUFModel
     from strata_nb.settings import Settings
 
     cfg = GGUFModel(tiny_model).config
     rng = np.random.default_rng(3)
-    k, v = (rng.standard_normal((75, cfg.n_kv_heads, cfg.head_dim)).astype(np.float32) for _ in range(2))
-    k[73] = 50.0  # a rejected draft's K, far outside the others
+    k, v = (rng.standard_normal((78, cfg.n_kv_heads, cfg.head_dim)).astype(np.float32) for _ in range(2))
+    rejected = k[70:75].copy()
+    rejected[3] = 50.0  # a rejected draft's K, far from the others
 
-    def cache(window_end, keep=None):
+    def cache(*windows):
         kv = KVCache(NumpyBackend(), cfg, Settings(model=tiny_model, kv=fmt, qsa_budget=64, max_context=256))
         kv.append(0, np.arange(70, dtype=np.int32), k[:70], v[:70], prompt=True)
-        if keep is not None:
+        for first, keys, keep in windows:
             kv.open_window()
-        pos = np.arange(70, window_end, dtype=np.int32)
-        kv.append(0, pos, k[70:window_end], v[70:window_end], prompt=False)
-        if keep is not None:
+            kv.append(0, np.arange(first, first + len(keys), dtype=np.int32), keys, v[first:first + len(keys)],
+                      prompt=False)
             kv.keep(keep)
-        return kv.layers[0]
+        return kv.layers[0].sketch
 
-    want, got, widened = cache(73), cache(75, keep=3), cache(75, keep=5)
-    assert np.array_equal(got.kmin, want.kmin) and np.array_equal(got.kmax, want.kmax)
-    assert not np.array_equal(widened.kmax, want.kmax)
+    want = cache((70, k[70:78], 8))
+    got = cache((70, rejected, 3), (73, k[73:78], 5))
+    assert got.tobytes() == want.tobytes()
+    stale = cache((70, rejected, 3))
+    assert stale[73 // BLOCK, :, 73 % BLOCK].tobytes() != want[73 // BLOCK, :, 73 % BLOCK].tobytes()
+    assert 73 // BLOCK == 72 // BLOCK  # the rejected cells lie in the block of the next query (at 73)
 
 
 def test_spec_settings_are_checked(tiny_model):

@@ -5,13 +5,13 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from strata_nb.kernels.kv.block_bounds import block_bounds_ref
+from strata_nb.kernels.kv.key_sketch import key_sketch_ref, sketch_shape
 from strata_nb.kernels.kv.kv_append_k8v4 import kv_append_k8v4, kv_append_k8v4_ref
 from strata_nb.kv_layout import BLOCK, pool_arrays
 
 # Each test takes seconds under the simulator. The default tier keeps the kernel against its
 # reference and the negative control (the #1188 class: an unfolded V half loses the host
-# copy of V); the slow tier adds the device-pool, bounds and absent-host cases.
+# copy of V); the slow tier adds the device-pool, key-sketch and absent-host cases.
 
 N_KV, HEAD_DIM = 3, 64
 N_BLOCKS, N_SLOTS = 4, 2
@@ -113,23 +113,19 @@ def test_unfolded_v_half_loses_the_host_copy_of_v():
 
 
 @pytest.mark.slow
-def test_bounds_in_the_append_launch():
-    """With QSA the launch also keeps K's block bounds: the same bytes as block_bounds_ref
+def test_key_sketch_in_the_append_launch():
+    """With QSA the launch also writes K's key sketch: the same bytes as key_sketch_ref
     after the append, and the append's own bytes unchanged."""
-    def bounds():
-        return np.zeros((N_BLOCKS, N_KV, HEAD_DIM), np.float32), np.zeros((N_BLOCKS, N_KV, HEAD_DIM), np.float32)
-
-    want, got = bounds(), bounds()
-    pool_ref, host_ref, _ = append_windows(kv_append_k8v4_ref, bounds=want)
-    assert_parity(pool_ref, host_ref, *append_windows(kv_append_k8v4, bounds=got)[:2])
-    assert want[0].tobytes() == got[0].tobytes() and want[1].tobytes() == got[1].tobytes()
-    rng, alone = np.random.default_rng(0), bounds()  # the same K, through block_bounds_ref alone
+    want, got = (np.zeros(sketch_shape(N_BLOCKS, N_KV, HEAD_DIM), np.uint8) for _ in range(2))
+    pool_ref, host_ref, _ = append_windows(kv_append_k8v4_ref, sketch=want)
+    assert_parity(pool_ref, host_ref, *append_windows(kv_append_k8v4, sketch=got)[:2])
+    assert want.tobytes() == got.tobytes()
+    rng, alone = np.random.default_rng(0), np.zeros_like(want)  # the same K, through key_sketch_ref alone
     for first, n in WINDOWS:
         k = rng.standard_normal((n, N_KV, HEAD_DIM), np.float32)
         rng.standard_normal((n, N_KV, HEAD_DIM), np.float32)  # v
-        block_bounds_ref(k, np.arange(first, first + n, dtype=np.int32), *alone)
-    assert alone[0].tobytes() == got[0].tobytes() and alone[1].tobytes() == got[1].tobytes()
-    assert (got[1] >= got[0]).all() and (got[1] > got[0]).mean() > 0.9  # the windows widened them
+        key_sketch_ref(k, np.arange(first, first + n, dtype=np.int32), alone)
+    assert alone.tobytes() == got.tobytes() and got.any()
 
 
 @pytest.mark.slow

@@ -1,9 +1,10 @@
 """The streaming kernels against their references: copy_runs and ring_restore byte for byte,
-block_bounds exactly, block_scores within float32 summation order."""
+key_sketch byte for byte, block_scores within float32 summation order."""
 import numpy as np
 import pytest
 
-from strata_nb.kernels.kv.block_bounds import block_bounds, block_bounds_ref
+from strata_nb.kernels.kv.key_sketch import key_sketch, key_sketch_ref, sketch_shape
+from strata_nb.kernels.kv.quant_q4_0 import dequantize_q4_0_ref, quantize_q4_0_ref
 from strata_nb.kernels.step.block_scores import block_scores, block_scores_ref
 from strata_nb.kernels.kv.copy_runs import as_words, copy_runs, copy_runs_ref
 from strata_nb.kernels.kv.ring_restore import ring_restore, ring_restore_ref
@@ -48,38 +49,39 @@ def test_ring_restore(end_block, n_ring):
     assert want[n_ring:].tobytes() == ring[n_ring:].tobytes()  # pool slots untouched
 
 
-def test_block_bounds_restart_and_widen():
+def test_key_sketch_writes_each_cell_s_k_as_q4_0():
     rng = np.random.default_rng(2)
-    kmin0 = rng.standard_normal((6, N_KV, HD)).astype(np.float32)
-    kmax0 = kmin0 + 1
-    for positions in ([14, 15, 16, 17, 18], [3], [16], [31, 32], list(range(5, 75))):
+    before = rng.integers(0, 256, size=sketch_shape(6, N_KV, HD), dtype=np.uint8)
+    for positions in ([14, 15, 16, 17, 18], [3], [16], [31, 32], list(range(5, 75)), [40, 7]):
         pos = np.array(positions, np.int32)
         k = rng.standard_normal((len(pos), N_KV, HD)).astype(np.float32)
-        a_min, a_max, b_min, b_max = kmin0.copy(), kmax0.copy(), kmin0.copy(), kmax0.copy()
-        block_bounds_ref(k, pos, a_min, a_max)
-        block_bounds(k, pos, b_min, b_max)
-        np.testing.assert_array_equal(a_min, b_min)
-        np.testing.assert_array_equal(a_max, b_max)
-    # a window that starts a block resets it: block 1 then holds exactly cells 16..18's range
-    k = rng.standard_normal((3, N_KV, HD)).astype(np.float32)
-    lo, hi = kmin0.copy(), kmax0.copy()
-    block_bounds_ref(k, np.array([16, 17, 18], np.int32), lo, hi)
-    np.testing.assert_array_equal(lo[1], k.min(0))
-    np.testing.assert_array_equal(hi[1], k.max(0))
+        want, got = before.copy(), before.copy()
+        key_sketch_ref(k, pos, want)
+        key_sketch(k, pos, got)
+        assert got.tobytes() == want.tobytes()
+        for i, p in enumerate(pos):  # each written cell holds its K in q4_0, every other cell is untouched
+            assert want[p // 16, :, p % 16].tobytes() == quantize_q4_0_ref(k[i]).tobytes()
+        untouched = np.ones((6, 16), bool)
+        untouched[pos // 16, pos % 16] = False
+        assert (want.transpose(0, 2, 1, 3)[untouched] == before.transpose(0, 2, 1, 3)[untouched]).all()
 
 
-def test_block_scores_bound_every_cell():
+def test_block_scores_are_each_block_s_best_cell():
     rng = np.random.default_rng(3)
-    n_q, n_heads, n_blocks = 3, 9, 5
+    n_q, n_heads, n_blocks = 3, 9, 21  # more blocks than a scoring thread block takes
     q = rng.standard_normal((n_q, n_heads, HD)).astype(np.float32)
     cells = rng.standard_normal((n_blocks, N_KV, 16, HD)).astype(np.float32)
-    kmin, kmax = cells.min(2), cells.max(2)
+    sketch = quantize_q4_0_ref(cells)
     want = np.zeros((n_q, n_blocks), np.float32)
     got = np.zeros_like(want)
-    block_scores_ref(q, kmin, kmax, want)
-    block_scores(q, kmin, kmax, got)
+    block_scores_ref(q, sketch, want)
+    block_scores(q, sketch, got)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
-    # the score is an upper bound on every q . k of the block, for every head
+    # the score is the largest q . k over the block's 4-bit keys and the query's heads
     kv_of = np.arange(n_heads) // (n_heads // N_KV)
-    dots = np.einsum("qhd,bhcd->qbhc", q, cells[:, kv_of])
-    assert (dots.max(axis=(2, 3)) <= want + 1e-4).all()
+    dots = np.einsum("qhd,bhcd->qbhc", q, dequantize_q4_0_ref(sketch)[:, kv_of])
+    np.testing.assert_allclose(want, dots.max(axis=(2, 3)), rtol=1e-5, atol=1e-4)
+    # one cell that matches query 0's head 4 makes its block query 0's best
+    cells[13, 4 // 3, 7] = 3 * q[0, 4]
+    block_scores_ref(q, quantize_q4_0_ref(cells), want)
+    assert int(np.argmax(want[0])) == 13

@@ -72,9 +72,9 @@ def cells_of(a: np.ndarray, end: int) -> np.ndarray:
 
 def byte_differences(mine: dict, ref: dict, end: int) -> dict:
     """{field: fraction of differing bytes} in cells [0, end), over the K/V fields of one
-    layer of two snapshots (KVCache.snapshot); the QSA bounds are not K/V bytes."""
+    layer of two snapshots (KVCache.snapshot); the QSA key sketch is not K/V bytes."""
     return {f: float((cells_of(mine[f], end).view(np.uint8) != cells_of(ref[f], end).view(np.uint8)).mean())
-            for f in ref if f not in ("kmin", "kmax")}
+            for f in ref if f not in ("sketch",)}
 
 
 def layer0_difference(mine: dict, ref: dict, end: int) -> float:

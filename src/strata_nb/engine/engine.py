@@ -239,7 +239,7 @@ class Engine:
     # --8<-- [start:speculate]
     def verify(self, window: list[int], pos: int) -> np.ndarray:
         """One batched pass over `window` at pos, pos + 1, ...: every position's greedy pick
-        (len(window),). The cells are written; QSA's bounds wait for `kv.keep`."""
+        (len(window),). The cells are written; `kv.keep` closes the window."""
         self.kv.open_window()
         try:
             return np.argmax(self._forward(window, pos, prompt=False, all_logits=True), axis=1)

@@ -16,9 +16,9 @@ from __future__ import annotations
 import numpy as np
 
 from ..kernels.attention.attention import attention, attention_ref
-from ..kernels.kv.block_bounds import block_bounds, block_bounds_ref
 from ..kernels.kv.copy_runs import as_words, copy_runs, copy_runs_ref
 from ..kernels.kv.hadamard import hadamard, hadamard_ref
+from ..kernels.kv.key_sketch import sketch_shape
 from ..kernels.step.block_scores import block_scores, block_scores_ref
 from ..kernels.step.map_ring import map_ring, map_ring_ref
 from ..kernels.step.select_blocks import select_rows_ref
@@ -46,9 +46,8 @@ class LayerKV(KVDest):
         # moves the ring there (kernels/step/map_ring.py)
         table, self.slot_block = (be.asarray(np.arange(n_blocks, dtype=np.int32)), None) if plan is None else maps
         super().__init__(pool, table, host)
-        # QSA bounds: (n_blocks, n_kv, hd) float32 min and max of K per block and head
-        self.kmin = be.zeros((n_blocks, n_kv, head_dim), np.float32) if qsa else None
-        self.kmax = be.zeros((n_blocks, n_kv, head_dim), np.float32) if qsa else None
+        # QSA's key sketch: every cell's K in q4_0, in VRAM for the whole context
+        self.sketch = be.zeros(sketch_shape(n_blocks, n_kv, head_dim), np.uint8) if qsa else None
 
 
 class KVCache:
@@ -79,7 +78,7 @@ class KVCache:
         self._attention = be.op(attention_ref, attention)
         self._block_row = be.asarray(np.arange(self.n_blocks, dtype=np.int32).reshape(1, -1))  # (1, n_blocks)
         self._positions = (None, None)  # (NumPy positions, their device copy): _on_device's one entry
-        self._window: list | None = None  # an open verify window's deferred bounds (open_window)
+        self._window = False  # a verify window is open (open_window)
 
     def _on_device(self, positions):
         """positions on the backend, uploaded once per forward pass: every layer's append and
@@ -135,22 +134,20 @@ class KVCache:
                 self._move(L.host, self.stage.pool, [(b, b) for b in range(before)])
                 self._counters.staged_blocks += before
                 stage = self.stage
-        # host copy always, slot if resident; QSA's bounds of K with them
-        return Append(self.fmt, L, pos, stage, self.fault, None if L.kmin is None else (L.kmin, L.kmax),
-                      None if prompt else self._window)
+        # host copy always, slot if resident; QSA's key sketch with them
+        return Append(self.fmt, L, pos, stage, self.fault, L.sketch, self._window and not prompt)
 
     # --8<-- [start:window]
     def open_window(self):
-        """The next forward pass is a verify window: its cells are written (host copy
-        always, slot if resident), but QSA's block bounds wait for `keep`. A rejected cell
-        is simply written over by the next window; only the bounds could remember it."""
-        self._window = []
+        """The next forward pass is a verify window: its cells are written as every
+        writer's are (host copy always, slot if resident, the key sketch). A rejected cell
+        is simply written over by the next window, its sketch with it."""
+        self._window = True
 
     def keep(self, n: int):
-        """Close the window, keeping its first n cells: their K updates the bounds."""
-        for bounds, k, positions in self._window:
-            self.be.op(block_bounds_ref, block_bounds)(k[:n], positions[:n], *bounds)
-        self._window = None
+        """Close the window, keeping its first n cells: the rest lie past the next
+        window's first position, which writes over them."""
+        self._window = False
     # --8<-- [end:window]
 
     def append(self, layer: int, positions, k, v, prompt: bool):
@@ -200,7 +197,7 @@ class KVCache:
         if self.qsa_budget == 0:
             return all_blocks_upto(positions)
         scores = self.be.zeros((q.shape[0], self.n_blocks), np.float32)
-        self.be.op(block_scores_ref, block_scores)(q, L.kmin, L.kmax, scores)
+        self.be.op(block_scores_ref, block_scores)(q, L.sketch, scores)
         return select_rows_ref(self.be.to_numpy(scores), positions, self.window_blocks, self.qsa_budget)
     # --8<-- [end:select]
 

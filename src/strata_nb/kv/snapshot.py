@@ -15,7 +15,7 @@ from ..kv_layout import BLOCK
 
 # --8<-- [start:snapshot_restore]
 def snapshot(cache, end: int, layers: list[int] | None = None) -> dict:
-    """The K/V bytes (and QSA bounds) of cells [0, end), as host arrays: every layer, or
+    """The K/V bytes (and QSA's key sketch) of cells [0, end), as host arrays: every layer, or
     the listed ones (the bench's output check compares layer 0)."""
     nb = -(-end // BLOCK)
     cache.sync_from_device()
@@ -23,8 +23,7 @@ def snapshot(cache, end: int, layers: list[int] | None = None) -> dict:
     for L in (cache.layers if layers is None else [cache.layers[i] for i in layers]):
         src = L.host if cache.streamed else L.pool
         saved.append({f: cache.be.to_numpy(a)[:nb].copy() for f, a in src.items()} |
-                     ({"kmin": cache.be.to_numpy(L.kmin)[:nb].copy(), "kmax": cache.be.to_numpy(L.kmax)[:nb].copy()}
-                      if L.kmin is not None else {}))
+                     ({"sketch": cache.be.to_numpy(L.sketch)[:nb].copy()} if L.sketch is not None else {}))
     return {"fmt": cache.fmt, "end": end, "layers": saved}
 
 
@@ -42,9 +41,8 @@ def restore(cache, snap: dict):
         dst = L.host if cache.streamed else L.pool
         for f in dst:
             cache.be.op(copy_runs_ref, copy_runs)(as_words(saved[f]), as_words(dst[f]), index, index)
-        if L.kmin is not None:
-            cache.be.copy_into(L.kmin[:end_block], saved["kmin"])
-            cache.be.copy_into(L.kmax[:end_block], saved["kmax"])
+        if L.sketch is not None:
+            cache.be.copy_into(L.sketch[:end_block], saved["sketch"])
         if cache.streamed:
             for f in L.pool:
                 cache.be.op(ring_restore_ref, ring_restore)(as_words(L.host[f]), as_words(L.pool[f]), end_block, cache.plan.n_ring)

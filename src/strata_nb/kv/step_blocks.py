@@ -31,7 +31,7 @@ class StepBlocks:
         if self.dense_resident:
             return self.blocks
         if self.kv.qsa_budget:
-            self.be.op(block_scores_ref, block_scores)(q, L.kmin, L.kmax, self.scores)
+            self.be.op(block_scores_ref, block_scores)(q, L.sketch, self.scores)
         self.be.op(select_blocks_ref, select_blocks)(self.scores, pos, L.page_table, self.kv.window_blocks, self.kv.qsa_budget,
                                     self.chosen, self.blocks, self.counts)
         return self.blocks

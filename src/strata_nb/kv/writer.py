@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..kernels.kv.block_bounds import block_bounds, block_bounds_ref
 from ..kernels.kv.hadamard import hadamard, hadamard_ref
+from ..kernels.kv.key_sketch import key_sketch, key_sketch_ref
 from ..kernels.kv.kv_append_fp16 import kv_append_fp16, kv_append_fp16_ref
 from ..kernels.kv.kv_append_k8v4 import kv_append_k8v4, kv_append_k8v4_ref
 from ..kernels.kv.kv_append_q4 import kv_append_q4, kv_append_q4_ref
@@ -54,15 +54,15 @@ class Append:
     positions: object  # (n,) int32 on the backend
     stage: KVDest | None = None  # a streamed prompt chunk's stage, written first
     fault: str = "none"
-    bounds: tuple | None = None  # QSA's (kmin, kmax), kept at append time
-    window: list | None = None  # a verify window's: where the bounds wait until its cells are kept
+    sketch: object = None  # QSA's key sketch (kernels/kv/key_sketch.py), written with the cells
+    verify: bool = False  # a verify window's cells
 
     @property
     def in_epilogue(self) -> bool:
         """Can a matvec's epilogue write these cells one value at a time? fp16/fp32 values
-        are only cast; the quantized formats need a block's scale, QSA its bounds. A verify
+        are only cast; the quantized formats need a block's scale, QSA its key sketch. A verify
         window's cells (even a window of one token) go through `write`, as every window's."""
-        return self.fmt in ("fp16", "fp32") and self.stage is None and self.bounds is None and self.window is None
+        return self.fmt in ("fp16", "fp32") and self.stage is None and self.sketch is None and not self.verify
 
     def epilogue_args(self) -> tuple:
         """kv_append_fp16's arguments after k_new, v_new: what the epilogue writes through."""
@@ -74,19 +74,17 @@ class Append:
         if self.stage is not None:
             append_cells(be, self.fmt, self.stage, self.positions, k, v)
         dest = self.dest
-        if self.window is not None and self.fault == "verify-no-mirror":
+        if self.verify and self.fault == "verify-no-mirror":
             dest = KVDest(dest.pool, dest.page_table, None)  # the batched append forgets the host copy
-        append_cells(be, self.fmt, dest, self.positions, k, v, self.fault, self.bounds, self.window)
+        append_cells(be, self.fmt, dest, self.positions, k, v, self.fault, self.sketch)
 # --8<-- [end:append]
 
 
 # --8<-- [start:append_cells]
-def append_cells(be, fmt: str, dest: KVDest, positions, k, v, fault: str = "none", bounds=None, window=None):
+def append_cells(be, fmt: str, dest: KVDest, positions, k, v, fault: str = "none", sketch=None):
     """k, v (n, n_kv, hd) float32 after RoPE -> dest's pool and host copy, rotated here
-    where the format rotates (kv_layout.rotates). bounds: QSA's (kmin, kmax) of K, kept at
-    append time (kernels/kv/block_bounds.py), or None. window: a verify window's list; the
-    bounds' update waits there (bounds, K as stored, positions) for `KVCache.keep`, since a
-    rejected cell must not widen its block's bounds."""
+    where the format rotates (kv_layout.rotates). sketch: QSA's key sketch, whose cells are
+    written with them (K as stored, kernels/kv/key_sketch.py), or None."""
     pool, pt = dest.pool, dest.page_table
     h = lambda f: host_field(dest, f)  # noqa: E731
     if fmt in ("fp16", "fp32"):
@@ -95,23 +93,20 @@ def append_cells(be, fmt: str, dest: KVDest, positions, k, v, fault: str = "none
         be.op(kv_append_q8_ref, kv_append_q8)(k, v, positions, pt, pool["k_q"], pool["k_s"], pool["v_q"], pool["v_s"],
                               h("k_q"), h("k_s"), h("v_q"), h("v_s"))
     elif fmt == "q4_0":
-        # K and V rotated first, by the hadamard kernel: QSA keeps the bounds of the rotated
-        # K, the K that attention scores against the rotated query
+        # K and V rotated first, by the hadamard kernel: QSA sketches the rotated K, the K
+        # that attention scores against the rotated query
         rotate = be.op(hadamard_ref, hadamard)
         k, v = rotate(k), rotate(v)
         be.op(kv_append_q4_ref, kv_append_q4)(k, v, positions, pt, pool["k_q4"], pool["v_q4"], h("k_q4"), h("v_q4"))
     elif fmt == "k8v4":
-        # two folded halves through the int8 and q4_0 kernels, and the bounds, in one launch
+        # two folded halves through the int8 and q4_0 kernels, and the key sketch, in one launch
         # (kernels/kv/kv_append_k8v4.py); the V half rotates V as it quantizes it.
         # --fault drop-v-mirror passes the V half unfolded: its host write is silently skipped
         be.op(kv_append_k8v4_ref, kv_append_k8v4)(k, v, positions, pt, pool, dest.host, fold_v_half=(fault != "drop-v-mirror"),
-                                bounds=None if window is not None else bounds)
-        if window is None:
-            bounds = None  # kept already
+                                sketch=sketch)
+        sketch = None  # written already
     else:
         raise ValueError(f"no writer for KV format {fmt!r}")
-    if bounds is not None and window is not None:
-        window.append((bounds, k, positions))
-    elif bounds is not None:
-        be.op(block_bounds_ref, block_bounds)(k, positions, *bounds)
+    if sketch is not None:
+        be.op(key_sketch_ref, key_sketch)(k, positions, sketch)
 # --8<-- [end:append_cells]

@@ -1,83 +1,93 @@
-"""Per-block, per-head min and max of K: what QSA block selection scores blocks with.
+"""The key sketch: every cell's K again, in 4 bits (q4_0), kept in VRAM for QSA to score.
 
-Kept at append time. A block's bounds restart when its first cell (cell 0) is written and
-widen with every later cell. A rewritten cell (a rejected speculative tail) can leave a
-bound wider than the cells now there; that is safe, because a bound only has to be an
-upper bound.
+QSA picks the blocks a decode query reads (kernels/step/select_blocks.py) by scoring every
+block without reading its K/V, which may sit in host memory. It scores from a copy of K
+small enough to stay in VRAM for the whole context: each cell's K per KV head as ggml's
+q4_0 (32 values in 18 bytes, kernels/kv/quant_q4_0.py), 108 bytes a cell for the default
+model's 3 heads of 64, a third of what k8v4 stores for the cell and less than half of what
+it stores for K. The scorer takes q . k over these 4-bit keys, cell by cell, and a block's
+score is its best cell's (kernels/step/block_scores.py).
 
-The kernel takes a window of consecutive positions, so its cells fall in at most
-n // 16 + 2 blocks, each a run of at most 16 cells: thread block j takes the window's j-th
-block, one thread per (KV head, dim), and walks that block's cells in order. The blocks
-run side by side, so a 1,024-token prompt chunk walks 16 cells per thread, not 1,024.
+Kept at append time, by the one writer, for every cell it writes: a prompt chunk, a decode
+step, a verify window. A rejected speculative cell's sketch is written over by the next
+window with the cell itself. Until then it lies past the query, in the query's own block,
+which is always read and never scored.
+
+The kernel gives each (cell, KV head, 32-value group) one warp, a value a lane, which
+quantizes the group together as the q4_0 format's append does (`quantize_q4_0_warp`: the
+largest |x| by warp_max, d from that lane), and lanes 0..15 write its 16 code bytes: so the
+sketch's bytes equal `quantize_q4_0_ref` of the cell's K, as the tests check. One thread
+walking the group's 32 values alone would be simpler, but a decode step waits for it: its
+chain of 32 loads and compares made the k8v4 append of a streamed step 1.6 us a layer
+slower. The body is a device function (`sketch_warp`) so that k8v4's append can run it in
+its own launch.
 """
 from __future__ import annotations
 
 import numpy as np
 from numba import cuda
 
-from strata_nb.gpu.launch import DeviceArgs, expect, stream
+from strata_nb.gpu.launch import DeviceArgs, expect, grid_for, view_bytes
 from strata_nb.gpu.reduce import WARP
-from strata_nb.kv_layout import BLOCK
+from strata_nb.kernels.kv.quant_q4_0 import D_STRIDE, HALF, quantize_q4_0_ref, quantize_q4_0_warp
+from strata_nb.kv_layout import BLOCK, Q4_BYTES, Q4_GROUP
 
 
-# --8<-- [start:block_bounds_ref]
-def block_bounds_ref(k_new,      # (n, n_kv, hd) float32 the appended K (as stored: rotated for q4_0)
-                     positions,  # (n,) int32
-                     kmin,       # (n_blocks, n_kv, hd) float32, updated
-                     kmax):      # (n_blocks, n_kv, hd) float32, updated
-    for i in range(len(positions)):  # in order: a window may restart a block and then widen it
+def sketch_shape(n_blocks: int, n_kv: int, head_dim: int) -> tuple:
+    """A layer's sketch: (n_blocks, n_kv, BLOCK, head_dim // 32 * 18) uint8, q4_0 rows."""
+    return (n_blocks, n_kv, BLOCK, head_dim // Q4_GROUP * Q4_BYTES)
+
+
+# --8<-- [start:key_sketch_ref]
+def key_sketch_ref(k_new,      # (n, n_kv, hd) float32 the appended K (as stored: rotated for q4_0)
+                   positions,  # (n,) int32
+                   sketch):    # (n_blocks, n_kv, BLOCK, hd // 32 * 18) uint8, cells written
+    for i in range(len(positions)):
         b, c = positions[i] // BLOCK, positions[i] % BLOCK
-        if c == 0:
-            kmin[b], kmax[b] = k_new[i], k_new[i]
-        else:
-            kmin[b] = np.minimum(kmin[b], k_new[i])
-            kmax[b] = np.maximum(kmax[b], k_new[i])
-# --8<-- [end:block_bounds_ref]
+        sketch[b, :, c] = quantize_q4_0_ref(k_new[i])  # each KV head's row, q4_0
+# --8<-- [end:key_sketch_ref]
 
 
-# --8<-- [start:block_bounds_kernel]
+# --8<-- [start:key_sketch_kernel]
 @cuda.jit(device=True)
-def bounds_thread(j, t, k_new, positions, kmin, kmax):
-    # The window's j-th block, (KV head, dim) t: that block's cells in order, at most 16.
+def sketch_warp(unit, lane, k_new, positions, sketch, sketch_d):
+    # warp `unit`: cell i, KV head h, 32-value group g of the head's row; a value a lane.
+    # Warps past the last group redo the last one without writing: warp_max needs every
+    # lane of the block.
     n, n_kv, hd = k_new.shape
-    if t < n_kv * hd:
-        h, d = t // hd, t % hd
-        first = positions[0]
-        b = first // BLOCK + j
-        for i in range(max(0, b * BLOCK - first), min(n, (b + 1) * BLOCK - first)):
-            x = k_new[i, h, d]
-            if positions[i] % BLOCK == 0:
-                kmin[b, h, d] = x
-                kmax[b, h, d] = x
-            else:
-                kmin[b, h, d] = min(kmin[b, h, d], x)
-                kmax[b, h, d] = max(kmax[b, h, d], x)
+    groups = hd // Q4_GROUP
+    writes = unit < n * n_kv * groups
+    unit = min(unit, n * n_kv * groups - 1)
+    i, h, g = unit // (n_kv * groups), unit // groups % n_kv, unit % groups
+    b, c = positions[i] // BLOCK, positions[i] % BLOCK
+    byte, d = quantize_q4_0_warp(k_new[i, h, g * Q4_GROUP + lane], lane)
+    if writes and lane < HALF:
+        sketch[b, h, c, g * Q4_BYTES + 2 + lane] = byte
+    if writes and lane == 0:
+        sketch_d[b, h, c, g * D_STRIDE] = d
 
 
 @cuda.jit
-def block_bounds_kernel(k_new, positions, kmin, kmax):  # shapes as block_bounds_ref
-    # thread block j: the window's j-th block
-    bounds_thread(cuda.blockIdx.x, cuda.threadIdx.x, k_new, positions, kmin, kmax)
-# --8<-- [end:block_bounds_kernel]
+def key_sketch_kernel(k_new, positions, sketch, sketch_d):  # as key_sketch_ref; sketch_d: its bytes as float16
+    t = cuda.grid(1)
+    sketch_warp(t // WARP, t % WARP, k_new, positions, sketch, sketch_d)
+# --8<-- [end:key_sketch_kernel]
 
 
-def bounds_launch(dev, k_new, positions, kmin, kmax) -> tuple[int, int, tuple]:
-    """Check block_bounds' arguments; return the window's blocks (a thread block each, at
-    most n // 16 + 2), the threads one block takes (n_kv x head_dim) and the kernel's
-    arguments, moved by `dev` (a DeviceArgs)."""
+def sketch_launch(dev, k_new, positions, sketch) -> tuple[int, tuple]:
+    """Check key_sketch's arguments; return its threads (a warp per cell, KV head and 32-value
+    group) and the kernel's arguments, moved by `dev` (a DeviceArgs)."""
     expect("k_new", k_new, np.float32, (None, None, None))
     n, n_kv, hd = k_new.shape
     expect("positions", positions, np.int32, (n,))
-    expect("kmin", kmin, np.float32, (None, n_kv, hd))
-    expect("kmax", kmax, np.float32, (kmin.shape[0], n_kv, hd))
-    if isinstance(positions, np.ndarray):
-        assert (np.diff(positions) == 1).all(), "block_bounds takes a window of consecutive positions"
-    return n // BLOCK + 2, n_kv * hd, (dev.read(k_new), dev.read(positions), dev.write(kmin), dev.write(kmax))
+    expect("sketch", sketch, np.uint8, (None, n_kv, BLOCK, hd // Q4_GROUP * Q4_BYTES))
+    out = dev.write(sketch)
+    return n * n_kv * (hd // Q4_GROUP) * WARP, (dev.read(k_new), dev.read(positions), out, view_bytes(out, np.float16))
 
 
-def block_bounds(k_new, positions, kmin, kmax):
-    """Like block_bounds_ref, for a window of consecutive positions (every writer appends
-    one run of cells: a prompt chunk, a verify window, a decode step)."""
+def key_sketch(k_new, positions, sketch):
+    """Like key_sketch_ref, on the device: the same bytes."""
     with DeviceArgs() as dev:
-        blocks, threads, args = bounds_launch(dev, k_new, positions, kmin, kmax)
-        block_bounds_kernel[blocks, -(-threads // WARP) * WARP, stream()](*args)
+        threads, args = sketch_launch(dev, k_new, positions, sketch)
+        if threads:
+            key_sketch_kernel[grid_for(threads)](*args)

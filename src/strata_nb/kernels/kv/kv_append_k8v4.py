@@ -19,11 +19,11 @@ launcher (`q8_launch`, `q4_launch`). The same arithmetic and the same writes as 
 launches in one: the GPU time stays what the two took, and a decode step has one launch
 fewer a layer.
 
-With QSA, the same launch also keeps the bounds of K (`bounds`, kernels/kv/block_bounds.py):
-thread blocks after the two halves' run block_bounds' per-thread body, so a streamed
-step has no separate block_bounds launch a layer. Those thread blocks are whole blocks of
-their own, because the halves' warp reductions, under the simulator, wait for every
-thread of their thread block.
+With QSA, the same launch also keeps the key sketch (`sketch`, kernels/kv/key_sketch.py):
+thread blocks after the two halves' run key_sketch's warp body, so a streamed step has no
+separate key_sketch launch a layer. Those thread blocks are whole blocks of their own,
+because every warp reduction, under the simulator, waits for every thread of its thread
+block.
 
 `fold_v_half=False` passes the V half the tempting way instead: the pool still folded,
 but the host copy given only as the V-side array. The K-side test then finds no host
@@ -42,10 +42,10 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
-from strata_nb.kernels.kv.block_bounds import block_bounds_ref, bounds_launch, bounds_thread
+from strata_nb.kernels.kv.key_sketch import key_sketch_ref, sketch_launch, sketch_warp
 from strata_nb.kernels.kv.kv_append_q4 import append_q4_warp, kv_append_q4_ref, q4_launch
 from strata_nb.kernels.kv.kv_append_q8 import append_q8_warp, kv_append_q8_ref, q8_launch
-from strata_nb.gpu.launch import THREADS, DeviceArgs, absent, grid_for
+from strata_nb.gpu.launch import THREADS, DeviceArgs, absent, grid_for, view_bytes
 from strata_nb.gpu.reduce import WARP
 
 
@@ -75,15 +75,15 @@ def append_halves(append_q8, append_q4,  # the q8 and q4 writers: both refs or b
 # --8<-- [end:append_halves]
 
 
-def kv_append_k8v4_ref(k, v, positions, page_table, pool, host, *, fold_v_half=True, bounds=None,
+def kv_append_k8v4_ref(k, v, positions, page_table, pool, host, *, fold_v_half=True, sketch=None,
                        v_rotated=False):
     """The k8v4 append with the NumPy writers; pool and host are written in place.
-    bounds: QSA's (kmin, kmax) of K, updated as block_bounds does, or None.
+    sketch: QSA's key sketch, its cells written as key_sketch does, or None.
     v_rotated: v arrives Hadamard-rotated already (else the V half rotates it)."""
     append_halves(kv_append_q8_ref, kv_append_q4_ref, k, v, not v_rotated, positions, page_table,
                   pool, host, fold_v_half)
-    if bounds is not None:
-        block_bounds_ref(k, positions, *bounds)
+    if sketch is not None:
+        key_sketch_ref(k, positions, sketch)
 
 
 # --8<-- [start:kv_append_k8v4_kernel]
@@ -94,12 +94,11 @@ def kv_append_k8v4_kernel(q8_warps,        # int32: warps of the K half; the V h
                           k8_host_q, k8_host_s, k8_host_q_v, k8_host_s_v,        # the K half, folded
                           v4_k, v4_v, v4_pos, v4_table, v_q4, v_d, v_q4_v, v_d_v,  # append_q4_warp's
                           v4_host_q4, v4_host_d, v4_host_q4_v, v4_host_d_v, v4_rotate,  # arrays: the V half
-                          kmin, kmax):  # QSA's bounds of K (block_bounds), or (0, ...) when not kept
+                          sketch, sketch_d):  # QSA's key sketch (key_sketch), or (0, ...) when not kept
     thread = cuda.grid(1)
-    if thread >= append_threads:  # thread blocks of their own (no warp reduction there): the bounds
+    if thread >= append_threads:  # thread blocks of their own: the sketch's warps
         t = thread - append_threads
-        group = k8_k.shape[1] * k8_k.shape[2]  # threads a window block takes: n_kv x head_dim
-        bounds_thread(t // group, t % group, k8_k, k8_pos, kmin, kmax)
+        sketch_warp(t // WARP, t % WARP, k8_k, k8_pos, sketch, sketch_d)
         return
     unit, lane = thread // WARP, cuda.threadIdx.x % WARP  # a half's warps never straddle
     if unit < q8_warps:
@@ -111,10 +110,10 @@ def kv_append_k8v4_kernel(q8_warps,        # int32: warps of the K half; the V h
 # --8<-- [end:kv_append_k8v4_kernel]
 
 
-def kv_append_k8v4(k, v, positions, page_table, pool, host, *, fold_v_half=True, bounds=None,
+def kv_append_k8v4(k, v, positions, page_table, pool, host, *, fold_v_half=True, sketch=None,
                    v_rotated=False):
-    """The k8v4 append with the kernels, both halves and the bounds in one launch; pool,
-    host and bounds are written in place."""
+    """The k8v4 append with the kernels, both halves and the key sketch in one launch; pool,
+    host and sketch are written in place."""
     halves = {}
     append_halves(lambda *a: halves.setdefault("q8", a), lambda *a: halves.setdefault("q4", a),
                   k, v, not v_rotated, positions, page_table, pool, host, fold_v_half)
@@ -124,11 +123,10 @@ def kv_append_k8v4(k, v, positions, page_table, pool, host, *, fold_v_half=True,
         if not q8_lanes:  # both halves have cells, or neither
             return
         append_threads = -(-(q8_lanes + q4_lanes) // THREADS) * THREADS
-        if bounds is None:  # no QSA: no bounds threads, and size-0 arrays for the kernel's signature
-            bounds_threads, kmin = 0, absent((0,) + tuple(k.shape[1:]), np.float32)
-            kmax = kmin
+        if sketch is None:  # no QSA: no sketch threads, and size-0 arrays for the kernel's signature
+            sketch_threads, keys = 0, absent((0, 1, 1, 2), np.uint8)
+            keys_d = view_bytes(keys, np.float16)
         else:
-            blocks, group, (_, _, kmin, kmax) = bounds_launch(dev, k, positions, *bounds)
-            bounds_threads = blocks * group
-        kv_append_k8v4_kernel[grid_for(append_threads + bounds_threads)](
-            np.int32(q8_lanes // WARP), np.int32(append_threads), *q8_args, *q4_args, kmin, kmax)
+            sketch_threads, (_, _, keys, keys_d) = sketch_launch(dev, k, positions, sketch)
+        kv_append_k8v4_kernel[grid_for(append_threads + sketch_threads)](
+            np.int32(q8_lanes // WARP), np.int32(append_threads), *q8_args, *q4_args, keys, keys_d)

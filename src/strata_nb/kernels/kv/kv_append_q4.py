@@ -7,7 +7,7 @@ quant_q4_0's device function (a value per lane), and writes it into each destina
 
 Rotation. A q4_0 side is stored Hadamard-rotated (hadamard.py). `rotate=False`: the
 values arrive rotated (the q4_0 format's writer rotates K and V with the hadamard kernel
-first, because QSA's bounds want the rotated K). `rotate=True`: the warp rotates the
+first, because QSA's key sketch wants the rotated K). `rotate=True`: the warp rotates the
 64 values its block is half of itself, two values a lane, five rounds through shuffles
 and one inside each lane (fwht64_lanes), and quantizes its half. The same additions in
 the same order as hadamard_ref, so the same bytes, and k8v4's append needs no Hadamard

@@ -1,19 +1,23 @@
-"""QSA block scores (strata-nb's own, in the spirit of Quest): how much a block could matter.
+"""QSA block scores (strata-nb's own): how much a block could matter to a query.
 
-For query head h and block b, `sum_d max(q_d * kmin_d, q_d * kmax_d)` is an upper bound on
-q . k for every cell k of the block (each term takes whichever end of [kmin_d, kmax_d]
-makes q_d * k_d larger). A query token reads one set of blocks for all its heads, so its
-score for a block is the largest bound over its heads, each head using the bounds of its
-GQA group's KV head.
+A block's score is the largest q . k over its cells and the query's heads, each head
+taking the keys of its GQA group's KV head. The keys are the key sketch's
+(kernels/kv/key_sketch.py): every cell's K in 4-bit q4_0, kept in VRAM for the whole
+context, so scoring reads no K/V from the host copy. A 4-bit key is close enough to rank
+the blocks as the real keys would: the block a retrieval head attends to most is the one
+with its best-scoring cell (docs/walkthrough/select.md has the probe that measures it).
 
-One warp scores one (query, block) pair: lane l takes dims l, l + 32, ... of every head,
-so for the default model (9 query heads, 3 KV heads, 64 dims) it loads 6 values of kmin
-and 6 of kmax, and one warp sum per query head adds the dims. The head count, KV head
-count and head_dim are compiled in (`make_block_scores_kernel`): the loops unroll, every
-load is issued before the first sum needs it, and the nine sums interleave; with the
-shapes read at run time instead, each head's loads would wait for the last head's sum.
-The host path and a replayed decode step (kv/step_blocks.py: StepBlocks) launch this same
-kernel, so their scores are the same bits.
+A thread block scores one block for one query, a warp per KV head; lane l takes cell
+l % 16 and the q4_0 groups l // 16, l // 16 + 2, ... of that cell's row (both halves of a
+64-dim head, one each). A lane holds its group's 32 values of each query head of the KV head's
+group in registers, reads the group's 16 code bytes and d once, and sums the products of
+q and code (low nibbles and high ones apart: two shorter chains) before taking off 8 x the
+sum of q and scaling by d. The two lanes of a cell add their
+halves (`add_partner`, a shuffle), the warp takes the max over cells and heads, and the
+warps' maxima meet in shared memory. The head count, KV head count and head_dim are
+compiled in (`make_block_scores_kernel`), so the loops unroll and a lane's loads go out
+together. The host path and a replayed decode step (kv/step_blocks.py: StepBlocks)
+launch this same kernel, so their scores are the same bits.
 """
 from __future__ import annotations
 
@@ -23,51 +27,91 @@ from numba import cuda, float32
 # the shapes compiled in (make_block_scores_kernel): the step attention's head_dims and
 # query heads per KV head, so a model the step takes is one QSA can score
 from strata_nb.kernels.attention.attention_step import HEAD_DIMS, MAX_GROUP
-from strata_nb.gpu.launch import DeviceArgs, expect, stream
-from strata_nb.gpu.geometry import SCORE_WARPS
-from strata_nb.gpu.reduce import NEG_INF, WARP, warp_sum
+from strata_nb.kernels.kv.quant_q4_0 import D_STRIDE, HALF, dequantize_q4_0_ref
+from strata_nb.gpu.launch import DeviceArgs, expect, stream, view_bytes
+from strata_nb.gpu.geometry import SIMULATED
+from strata_nb.gpu.reduce import NEG_INF, WARP, warp_max
+from strata_nb.kv_layout import BLOCK, Q4_BYTES, Q4_GROUP
 
 MAX_KV = 8  # KV heads
 
+if SIMULATED:
+    from strata_nb.gpu.reduce import exchange
+
+    @cuda.jit(device=True)
+    def add_partner(x, lane):
+        """x plus lane (lane ^ 16)'s x: the other half of this lane's cell. The simulator
+        has no shuffle: the warp trades its values through shared memory (a + b == b + a,
+        so the bits are the GPU's)."""
+        return x + exchange(x)[lane ^ BLOCK]
+else:
+    from strata_nb.gpu.reduce import warp_xor
+
+    @cuda.jit(device=True)
+    def add_partner(x, lane):
+        """x plus lane (lane ^ 16)'s x: the other half of this lane's cell."""
+        return x + warp_xor(x, BLOCK)
+
 
 # --8<-- [start:block_scores_ref]
-def block_scores_ref(q,       # (n_q, n_heads, hd) float32 (rotated when the format rotates Q)
-                     kmin,    # (n_blocks, n_kv, hd) float32
-                     kmax,    # (n_blocks, n_kv, hd) float32
+def block_scores_ref(q,        # (n_q, n_heads, hd) float32 (rotated when the format rotates Q)
+                     sketch,   # (n_blocks, n_kv, BLOCK, hd // 32 * 18) uint8: the key sketch
                      scores):  # (n_q, n_blocks) float32, written
     n_q, n_heads, hd = q.shape
-    group = n_heads // kmin.shape[1]
-    kv_of = np.arange(n_heads) // group  # the KV head each query head reads
-    lo = q[:, :, None, :] * kmin[:, kv_of].transpose(1, 0, 2)[None]  # (n_q, heads, blocks, hd)
-    hi = q[:, :, None, :] * kmax[:, kv_of].transpose(1, 0, 2)[None]
-    scores[...] = np.maximum(lo, hi).sum(axis=-1, dtype=np.float32).max(axis=1)
+    keys = dequantize_q4_0_ref(sketch)  # (n_blocks, n_kv, BLOCK, hd)
+    kv_of = np.arange(n_heads) // (n_heads // keys.shape[1])  # the KV head each query head reads
+    dots = np.einsum("qhd,bhcd->qbhc", q, keys[:, kv_of])  # (n_q, blocks, heads, cells)
+    scores[...] = dots.reshape(n_q, keys.shape[0], -1).max(axis=-1)
 # --8<-- [end:block_scores_ref]
 
 
 # --8<-- [start:block_scores_kernel]
 def make_block_scores_kernel(G, KV, D):
     """The kernel for G query heads per KV head, KV heads and head_dim D, all compiled in."""
-    PER_LANE = D // WARP
+    GROUPS = D // Q4_GROUP
 
     @cuda.jit
-    def block_scores_kernel(q, kmin, kmax, scores):  # shapes as block_scores_ref
-        # A warp per (query, block): blocks blockIdx.x * SCORE_WARPS .. on, query blockIdx.y;
-        # lane l takes dims l, l + 32, ... Past the last block a warp scores the last one
-        # again: every warp sums (gpu/reduce.py), only the real ones store.
-        i, lane = cuda.blockIdx.y, cuda.threadIdx.x % WARP
-        n_blocks = kmin.shape[0]
-        b = cuda.blockIdx.x * SCORE_WARPS + cuda.threadIdx.x // WARP
-        c = min(b, n_blocks - 1)
+    def block_scores_kernel(q, sketch, sketch_d, scores):  # as block_scores_ref; sketch_d: its bytes as float16
+        # Thread block (b, i): block b, query i; warp g: KV head g; lane: cell c, groups w0, w0 + 2, ...
+        b, i = cuda.blockIdx.x, cuda.blockIdx.y
+        t = cuda.threadIdx.x
+        g, lane = t // WARP, t % WARP
+        c, w0 = lane % BLOCK, lane // BLOCK
+        qr = cuda.local.array((G, Q4_GROUP), float32)  # the group's 32 values of each query head: registers
+        dot = cuda.local.array(G, float32)  # this lane's half of each query head's q . k
+        lo = cuda.local.array(G, float32)  # one group's sums of q x code, before the offset and scale:
+        hi = cuda.local.array(G, float32)  # low nibbles and high ones, two shorter chains
+        for u in range(G):
+            dot[u] = float32(0.0)
+        for w in range(w0, GROUPS, 2):  # one q4_0 group: 32 values, byte e holds values e and e + 16
+            for u in range(G):
+                for e in range(Q4_GROUP):
+                    qr[u, e] = q[i, g * G + u, w * Q4_GROUP + e]
+                lo[u] = float32(0.0)
+                hi[u] = float32(0.0)
+            for e in range(HALF):
+                byte = sketch[b, g, c, w * Q4_BYTES + 2 + e]
+                low, high = float32(byte & 0x0F), float32(byte >> 4)  # codes 0..15: value = (code - 8) * d
+                for u in range(G):
+                    lo[u] += qr[u, e] * low
+                    hi[u] += qr[u, HALF + e] * high
+            d = float32(sketch_d[b, g, c, w * D_STRIDE])
+            for u in range(G):
+                q_sum = float32(0.0)
+                for e in range(Q4_GROUP):
+                    q_sum += qr[u, e]
+                dot[u] += (lo[u] + hi[u] - float32(8.0) * q_sum) * d
         best = NEG_INF
-        for g in range(KV):
-            for h in range(g * G, (g + 1) * G):
-                bound = float32(0.0)
-                for j in range(PER_LANE):
-                    d = lane + j * WARP
-                    x = q[i, h, d]
-                    bound += max(x * kmin[c, g, d], x * kmax[c, g, d])
-                best = max(best, warp_sum(bound))
-        if lane == 0 and b < n_blocks:
+        for u in range(G):
+            best = max(best, add_partner(dot[u], lane))  # the cell's whole q . k for head u
+        best = warp_max(best)  # the KV head's best cell and head
+        heads = cuda.shared.array(KV, float32)
+        if lane == 0:
+            heads[g] = best
+        cuda.syncthreads()
+        if t == 0:
+            for h in range(1, KV):
+                best = max(best, heads[h])
             scores[i, b] = best
     return block_scores_kernel
 # --8<-- [end:block_scores_kernel]
@@ -79,18 +123,19 @@ BLOCK_SCORES_KERNELS = {(g, kv, d): make_block_scores_kernel(g, kv, d)
                         for g in range(1, MAX_GROUP + 1) for kv in range(1, MAX_KV + 1) for d in HEAD_DIMS}
 
 
-def block_scores(q, kmin, kmax, scores):
+def block_scores(q, sketch, scores):
     """Like block_scores_ref (scores agree within float32 summation order: atol 1e-4 * scale)."""
     expect("q", q, np.float32, (None, None, None))
-    expect("kmin", kmin, np.float32, (None, None, q.shape[2]))
-    expect("kmax", kmax, np.float32, kmin.shape)
-    expect("scores", scores, np.float32, (q.shape[0], kmin.shape[0]))
-    n_heads, n_kv, hd = q.shape[1], kmin.shape[1], kmin.shape[2]
+    n_heads, hd = q.shape[1], q.shape[2]
+    expect("sketch", sketch, np.uint8, (None, None, BLOCK, hd // Q4_GROUP * Q4_BYTES))
+    expect("scores", scores, np.float32, (q.shape[0], sketch.shape[0]))
+    n_kv = sketch.shape[1]
     key = (n_heads // max(1, n_kv), n_kv, hd)
     assert n_kv > 0 and n_heads % n_kv == 0 and key in BLOCK_SCORES_KERNELS, (
         f"no QSA scores for {n_heads} query heads, {n_kv} KV heads of {hd} dims "
         f"(built: <= {MAX_GROUP} query heads per KV head, <= {MAX_KV} KV heads, head_dim in {HEAD_DIMS})")
     kernel = BLOCK_SCORES_KERNELS[key]
     with DeviceArgs() as dev:
-        kernel[((kmin.shape[0] + SCORE_WARPS - 1) // SCORE_WARPS, q.shape[0]), SCORE_WARPS * WARP, stream()](
-            dev.read(q), dev.read(kmin), dev.read(kmax), dev.write(scores))
+        keys = dev.read(sketch)
+        kernel[(sketch.shape[0], q.shape[0]), n_kv * WARP, stream()](
+            dev.read(q), keys, view_bytes(keys, np.float16), dev.write(scores))
