@@ -12,6 +12,12 @@ figure is typed by hand (tests/test_docs.py checks both are up to date):
   files in docs/measured/experts/, and on a plain run its plot,
   docs/assets/expert_hit_rate.png (matplotlib, the `bench` extra).
 
+- docs/measured/needle/needle.md and needle_quest_bound.md: the retrieval probe's tables
+  (`strata-nb needle` on the H200, with the key sketch and with Quest's bound, the scores
+  before it), from the needle.json files beside them, and on a plain run their heat-maps,
+  docs/assets/needle.png and needle_quest_bound.png; and needle/speed.md, decode tok/s
+  with each score, from the two `strata-nb bench` runs beside them (bench_*.json).
+
     python tools/docs_tables.py           # rewrite them
     python tools/docs_tables.py --check   # exit 1 if any table is out of date (the plot is not checked)
 """
@@ -27,6 +33,8 @@ BENCH_JSON = ROOT / "docs" / "measured" / "bench" / "bench.json"
 LESSONS_JSON = ROOT / "docs" / "measured" / "lessons.json"
 LESSONS_DIR = ROOT / "docs" / "measured" / "lessons"
 README = ROOT / "README.md"
+NEEDLE_DIR = ROOT / "docs" / "measured" / "needle"  # needle.json, needle_quest_bound.json: one probe run each
+NEEDLE_RUNS = {"needle": "the key sketch", "needle_quest_bound": "Quest's bound (the code before the key sketch, 85b06f6)"}
 EXPERTS_DIR = ROOT / "docs" / "measured" / "experts"  # dense.json, split.json, copies.json: one bench run each
 EXPERTS_MD = EXPERTS_DIR / "experts.md"
 EXPERTS_PNG = ROOT / "docs" / "assets" / "expert_hit_rate.png"
@@ -228,6 +236,31 @@ def experts_plot(benches: dict[str, dict], path: Path) -> None:
     plt.close(fig)
 
 
+def needle_page(result: dict, scores: str) -> str:
+    """A probe run's table, under the command and settings that produced it."""
+    from strata_nb.needle import table
+
+    s = result["settings"]
+    return (f"Measured with `strata-nb needle --device {s['backend']} --kv {s['kv']} --kv-resident {s['kv_resident']}` "
+            f"on an {s.get('device', s['backend'])}, block scores from {scores}: {result['trials']} facts per "
+            f"(length, depth), {s['max_tokens']}-token greedy replies; a cell is the share of replies that hold "
+            f"the fact's answer.\n\n{table(result)}\n")
+
+
+def needle_speed(before: dict, after: dict) -> str:
+    """Decode tok/s per (mode, depth) with Quest's bound and with the key sketch."""
+    rate = lambda bench: {(r["mode"], r["depth"]): r["decode_tok_s"] for r in bench["rows"]}  # noqa: E731
+    old, new = rate(before), rate(after)
+    lines = [f"Measured with `{after['command'].split(' --out')[0]}` on an {after['device']}, at the code before the "
+             f"key sketch (85b06f6) and with it; medians of {after['runs']} runs.\n",
+             "| k8v4 | depth | decode tok/s, Quest's bound | decode tok/s, key sketch | key sketch / bound |",
+             "| --- | ---: | ---: | ---: | ---: |"]
+    for mode, depth in sorted(new, key=lambda k: (k[1], k[0])):
+        a, b = old[mode, depth], new[mode, depth]
+        lines.append(f"| {mode} | {depth:,} | {a:,.0f} | {b:,.0f} | {b / a:.1%} |")
+    return "\n".join(lines) + "\n"
+
+
 def outputs() -> dict[Path, str]:
     """Every generated file's path and the text it must hold."""
     lessons = json.loads(LESSONS_JSON.read_text())["lessons"]
@@ -239,6 +272,10 @@ def outputs() -> dict[Path, str]:
     assert pattern.search(readme), f"README.md has no {START} ... {END} block"
     out[README] = pattern.sub(lambda _: table, readme)
     out[EXPERTS_MD] = experts_table(expert_benches())
+    out[NEEDLE_DIR / "speed.md"] = needle_speed(*(json.loads((NEEDLE_DIR / f"bench_{n}.json").read_text())
+                                                  for n in ("quest_bound", "key_sketch")))
+    for name, scores in NEEDLE_RUNS.items():
+        out[NEEDLE_DIR / f"{name}.md"] = needle_page(json.loads((NEEDLE_DIR / f"{name}.json").read_text()), scores)
     return out
 
 
@@ -253,8 +290,11 @@ def main(argv: list[str]) -> int:
         p.write_text(text)
     try:
         experts_plot(expert_benches(), EXPERTS_PNG)
+        from strata_nb.needle import heatmap
+        for name in NEEDLE_RUNS:
+            heatmap(json.loads((NEEDLE_DIR / f"{name}.json").read_text()), ROOT / "docs" / "assets" / f"{name}.png")
     except ImportError:
-        print(f"not written: {EXPERTS_PNG.relative_to(ROOT)} needs matplotlib (pip install -e '.[bench]')")
+        print(f"not written: {EXPERTS_PNG.relative_to(ROOT)} and the needle heat-maps need matplotlib (pip install -e '.[bench]')")
         return 1
     return 0
 

@@ -5,6 +5,7 @@
     python tools/measure_docs.py fault        # the missing-mirror lab's outputs (~2 min)
     python tools/measure_docs.py verify       # the verify-window lab: --fault verify-no-mirror (~8 min)
     python tools/measure_docs.py examples     # what the model-free examples print (seconds)
+    python tools/measure_docs.py qsa-ranks    # where QSA's scores rank a planted fact's block (~3 min)
 
 Every page shows the command that produced its numbers; nothing here is typed by hand.
 CI does not run this (it takes minutes); the docs build only includes its output.
@@ -140,6 +141,81 @@ def verify_fault():
         f"16 tokens.\n\n" + "\n".join(needle_rows) + "\n\nThe replies:\n\n" + "\n".join(texts))
 
 
+# Why QSA scores from a key sketch (docs/walkthrough/select.md): for the heads that attend to a
+# planted fact, where each score ranks the fact's block among the blocks selection ranks
+RANK_CASES = ((4096, 0.25, 1), (4096, 0.5, 2), (4096, 0.75, 3))  # (prompt tokens, depth, seed)
+RANK_HEAD_MASS = 0.1  # a head counts when this share of its attention is on the fact's blocks
+
+
+def qsa_ranks():
+    import numpy as np
+
+    from strata_nb import Engine
+    from strata_nb.kernels.kv.quant_q4_0 import dequantize_q4_0_ref
+    from strata_nb.kv import cache as kv_cache
+    from strata_nb.kv_layout import BLOCK
+    from strata_nb.needle import build_case
+    from strata_nb.settings import SamplingSettings
+
+    budget = 1024
+    eng = Engine.load(device="cpu", kv="fp16", qsa_budget=budget)
+    window = eng.kv.window_blocks
+    free = budget // BLOCK - 1 - window  # the blocks a query's budget leaves after block 0 and the window
+    heads, tokens = [], []  # per (step, layer, head): ranks; per (step, layer): the token-level ranks
+    select = kv_cache.KVCache.select
+
+    def ranks(scores, fact, cand):  # (heads, blocks) -> each head's rank of block `fact` among `cand`
+        return (scores[:, cand] > scores[:, [fact]]).sum(axis=1)
+
+    def hook(self, L, q, positions):
+        pos = int(positions[0])
+        nb, last = pos // BLOCK + 1, pos // BLOCK
+        cand = np.arange(1, max(1, last - window + 1))  # what selection ranks: not block 0, not the window
+        fact_blocks = [b for b in case_blocks if b in cand]
+        if fact_blocks:
+            G = q.shape[1] // L.sketch.shape[1]
+            K = L.pool["k"][:nb].astype(np.float32).repeat(G, axis=1)  # (blocks, heads, cells, hd)
+            live = (np.arange(nb * BLOCK) <= pos).reshape(nb, BLOCK)
+            dots = np.where(live[:, None], np.einsum("hd,bhcd->bhc", q[0], K), -np.inf)  # (blocks, heads, cells)
+            p = np.exp(dots / 8 - (dots / 8).max(axis=(0, 2), keepdims=True))
+            mass = (p / p.sum(axis=(0, 2), keepdims=True)).sum(axis=2).T  # (heads, blocks)
+            exact = dots.max(axis=2).T
+            sketch = np.einsum("hd,bhcd->bhc", q[0], dequantize_q4_0_ref(L.sketch[:nb]).repeat(G, axis=1)).max(axis=2).T
+            kmin, kmax = np.where(live[:, None, :, None], K, np.inf).min(2), np.where(live[:, None, :, None], K, -np.inf).max(2)
+            bound = np.maximum(q[0] * kmin, q[0] * kmax).sum(-1).T  # Quest's: (heads, blocks)
+            on_fact = mass[:, fact_blocks].sum(axis=1)
+            for h in np.flatnonzero(on_fact >= RANK_HEAD_MASS):
+                f = fact_blocks[int(np.argmax(mass[h, fact_blocks]))]
+                heads.append([int(ranks(s, f, cand)[h]) for s in (exact, sketch, bound)]
+                             + [int(ranks(s.max(0, keepdims=True), f, cand)[0]) for s in (sketch, bound)])
+        return select(self, L, q, positions)
+
+    kv_cache.KVCache.select = hook
+    try:
+        for length, depth, seed in RANK_CASES:
+            ids, fact = build_case(eng, length, depth, seed)
+            words = eng.tokenize(" " + fact.text)[1:-1]
+            start = next(i for i in range(len(ids)) if ids[i:i + len(words)] == words)
+            case_blocks = list(range(start // BLOCK, (start + len(words) - 1) // BLOCK + 1))
+            list(eng.generate_ids(ids, SamplingSettings(max_tokens=12)))
+    finally:
+        kv_cache.KVCache.select = select
+    r = np.array(heads)
+    names = ("exact keys, the head alone", "key sketch (q4_0), the head alone", "Quest's bound, the head alone",
+             "**key sketch, max over heads (what selection ranks)**", "Quest's bound, max over heads (what it ranked)")
+    rows = [f"| {n} | {np.median(r[:, i]):.0f} | {r[:, i].max()} | {(r[:, i] < free).mean():.1%} |"
+            for i, n in enumerate(names)]
+    (OUT / "qsa_ranks.md").write_text(
+        f"Measured with `python tools/measure_docs.py qsa-ranks` ({machine()}): the default model, fp16, "
+        f"{len(RANK_CASES)} prompts of about {RANK_CASES[0][0]:,} tokens with a planted fact at depths "
+        f"{', '.join(str(d) for _, d, _ in RANK_CASES)} (`strata_nb.needle.build_case`), 12 greedy tokens each. "
+        f"For every decode step, layer and head that puts at least {RANK_HEAD_MASS:.0%} of its attention on the "
+        f"fact's blocks ({len(r)} of them), the rank of the fact's most-attended block among the "
+        f"blocks selection ranks (about {RANK_CASES[0][0] // BLOCK - window - 1}; 0 = first). At `--qsa-budget {budget}` a query takes block 0, the {window} window blocks and the best "
+        f"{free} others.\n\n| score | median rank | worst rank | ranked in the best {free} |\n"
+        f"| --- | ---: | ---: | ---: |\n" + "\n".join(rows) + "\n")
+
+
 def examples():
     for name in CAPTURED_EXAMPLES:
         done = subprocess.run([sys.executable, f"examples/{name}.py"], cwd=ROOT, capture_output=True, text=True)
@@ -153,4 +229,5 @@ def examples():
 if __name__ == "__main__":
     OUT.mkdir(parents=True, exist_ok=True)
     for what in sys.argv[1:] or ["compare", "stream", "fault", "verify", "examples"]:
-        {"compare": compare, "stream": stream, "fault": fault, "verify": verify_fault, "examples": examples}[what]()
+        {"compare": compare, "stream": stream, "fault": fault, "verify": verify_fault, "examples": examples,
+         "qsa-ranks": qsa_ranks}[what]()
