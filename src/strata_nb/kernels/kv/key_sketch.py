@@ -19,17 +19,24 @@ largest |x| by warp_max, d from that lane), and lanes 0..15 write its 16 code by
 sketch's bytes equal `quantize_q4_0_ref` of the cell's K, as the tests check. One thread
 walking the group's 32 values alone would be simpler, but a decode step waits for it: its
 chain of 32 loads and compares made the k8v4 append of a streamed step 1.6 us a layer
-slower. The body is a device function (`sketch_warp`) so that k8v4's append can run it in
-its own launch.
+slower. The body is a device function (`sketch_group`) so that k8v4's append can run it in
+its own launch; under the simulator it is one thread per group (`LANES`).
 """
 from __future__ import annotations
 
 import numpy as np
 from numba import cuda
 
+from strata_nb.gpu.geometry import SIMULATED, on_gpu
 from strata_nb.gpu.launch import DeviceArgs, expect, grid_for, view_bytes
 from strata_nb.gpu.reduce import WARP
-from strata_nb.kernels.kv.quant_q4_0 import D_STRIDE, HALF, quantize_q4_0_ref, quantize_q4_0_warp
+from strata_nb.kernels.kv.quant_q4_0 import (D_STRIDE, HALF, quantize_q4_0_group, quantize_q4_0_ref,
+                                             quantize_q4_0_warp)
+
+# Threads a (cell, KV head, group) takes: a warp on the GPU; one under the simulator, where
+# every shuffle is a block-wide barrier of Python threads (a 64-cell chunk's sketch took 13 s
+# there as warps, 0.4 s as threads)
+LANES = on_gpu(WARP, simulator=1)
 from strata_nb.kv_layout import BLOCK, Q4_BYTES, Q4_GROUP
 
 
@@ -49,40 +56,52 @@ def key_sketch_ref(k_new,      # (n, n_kv, hd) float32 the appended K (as stored
 
 
 # --8<-- [start:key_sketch_kernel]
-@cuda.jit(device=True)
-def sketch_warp(unit, lane, k_new, positions, sketch, sketch_d):
-    # warp `unit`: cell i, KV head h, 32-value group g of the head's row; a value a lane.
-    # Warps past the last group redo the last one without writing: warp_max needs every
-    # lane of the block.
-    n, n_kv, hd = k_new.shape
-    groups = hd // Q4_GROUP
-    writes = unit < n * n_kv * groups
-    unit = min(unit, n * n_kv * groups - 1)
-    i, h, g = unit // (n_kv * groups), unit // groups % n_kv, unit % groups
-    b, c = positions[i] // BLOCK, positions[i] % BLOCK
-    byte, d = quantize_q4_0_warp(k_new[i, h, g * Q4_GROUP + lane], lane)
-    if writes and lane < HALF:
-        sketch[b, h, c, g * Q4_BYTES + 2 + lane] = byte
-    if writes and lane == 0:
-        sketch_d[b, h, c, g * D_STRIDE] = d
+if not SIMULATED:
+    @cuda.jit(device=True)
+    def sketch_group(unit, lane, k_new, positions, sketch, sketch_d):
+        # warp `unit`: cell i, KV head h, 32-value group g of the head's row; a value a lane.
+        # Warps past the last group redo the last one without writing: warp_max needs every
+        # lane of the block.
+        n, n_kv, hd = k_new.shape
+        groups = hd // Q4_GROUP
+        writes = unit < n * n_kv * groups
+        unit = min(unit, n * n_kv * groups - 1)
+        i, h, g = unit // (n_kv * groups), unit // groups % n_kv, unit % groups
+        b, c = positions[i] // BLOCK, positions[i] % BLOCK
+        byte, d = quantize_q4_0_warp(k_new[i, h, g * Q4_GROUP + lane], lane)
+        if writes and lane < HALF:
+            sketch[b, h, c, g * Q4_BYTES + 2 + lane] = byte
+        if writes and lane == 0:
+            sketch_d[b, h, c, g * D_STRIDE] = d
+else:
+    @cuda.jit(device=True)
+    def sketch_group(unit, lane, k_new, positions, sketch, sketch_d):
+        # Under the simulator one thread (lane 0) walks the group's 32 values alone, with the
+        # q4_0 format's per-thread body: the same bytes, and no barrier.
+        n, n_kv, hd = k_new.shape
+        groups = hd // Q4_GROUP
+        if unit < n * n_kv * groups:
+            i, h, g = unit // (n_kv * groups), unit // groups % n_kv, unit % groups
+            b, c = positions[i] // BLOCK, positions[i] % BLOCK
+            quantize_q4_0_group(k_new[i, h], sketch[b, h, c], sketch_d[b, h, c], g)
 
 
 @cuda.jit
 def key_sketch_kernel(k_new, positions, sketch, sketch_d):  # as key_sketch_ref; sketch_d: its bytes as float16
     t = cuda.grid(1)
-    sketch_warp(t // WARP, t % WARP, k_new, positions, sketch, sketch_d)
+    sketch_group(t // LANES, t % LANES, k_new, positions, sketch, sketch_d)
 # --8<-- [end:key_sketch_kernel]
 
 
 def sketch_launch(dev, k_new, positions, sketch) -> tuple[int, tuple]:
-    """Check key_sketch's arguments; return its threads (a warp per cell, KV head and 32-value
+    """Check key_sketch's arguments; return its threads (LANES per cell, KV head and 32-value
     group) and the kernel's arguments, moved by `dev` (a DeviceArgs)."""
     expect("k_new", k_new, np.float32, (None, None, None))
     n, n_kv, hd = k_new.shape
     expect("positions", positions, np.int32, (n,))
     expect("sketch", sketch, np.uint8, (None, n_kv, BLOCK, hd // Q4_GROUP * Q4_BYTES))
     out = dev.write(sketch)
-    return n * n_kv * (hd // Q4_GROUP) * WARP, (dev.read(k_new), dev.read(positions), out, view_bytes(out, np.float16))
+    return n * n_kv * (hd // Q4_GROUP) * LANES, (dev.read(k_new), dev.read(positions), out, view_bytes(out, np.float16))
 
 
 def key_sketch(k_new, positions, sketch):

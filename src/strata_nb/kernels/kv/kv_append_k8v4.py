@@ -20,7 +20,7 @@ launches in one: the GPU time stays what the two took, and a decode step has one
 fewer a layer.
 
 With QSA, the same launch also keeps the key sketch (`sketch`, kernels/kv/key_sketch.py):
-thread blocks after the two halves' run key_sketch's warp body, so a streamed step has no
+thread blocks after the two halves' run key_sketch's body, so a streamed step has no
 separate key_sketch launch a layer. Those thread blocks are whole blocks of their own,
 because every warp reduction, under the simulator, waits for every thread of its thread
 block.
@@ -42,7 +42,7 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
-from strata_nb.kernels.kv.key_sketch import key_sketch_ref, sketch_launch, sketch_warp
+from strata_nb.kernels.kv.key_sketch import LANES, key_sketch_ref, sketch_group, sketch_launch
 from strata_nb.kernels.kv.kv_append_q4 import append_q4_warp, kv_append_q4_ref, q4_launch
 from strata_nb.kernels.kv.kv_append_q8 import append_q8_warp, kv_append_q8_ref, q8_launch
 from strata_nb.gpu.launch import THREADS, DeviceArgs, absent, grid_for, view_bytes
@@ -98,7 +98,7 @@ def kv_append_k8v4_kernel(q8_warps,        # int32: warps of the K half; the V h
     thread = cuda.grid(1)
     if thread >= append_threads:  # thread blocks of their own: the sketch's warps
         t = thread - append_threads
-        sketch_warp(t // WARP, t % WARP, k8_k, k8_pos, sketch, sketch_d)
+        sketch_group(t // LANES, t % LANES, k8_k, k8_pos, sketch, sketch_d)
         return
     unit, lane = thread // WARP, cuda.threadIdx.x % WARP  # a half's warps never straddle
     if unit < q8_warps:
