@@ -17,9 +17,9 @@ The kernel gives each (cell, KV head, 32-value group) one warp, a value a lane, 
 quantizes the group together as the q4_0 format's append does (`quantize_q4_0_warp`: the
 largest |x| by warp_max, d from that lane), and lanes 0..15 write its 16 code bytes: so the
 sketch's bytes equal `quantize_q4_0_ref` of the cell's K, as the tests check. One thread
-walking the group's 32 values alone would be simpler, but a decode step waits for it: its
-chain of 32 loads and compares made the k8v4 append of a streamed step 1.6 us a layer
-slower. The body is a device function (`sketch_group`) so that k8v4's append can run it in
+walking the group's 32 values alone is the plainer body (the simulator runs it, below),
+but a decode step on the GPU would wait for its chain of 32 loads and compares; a warp
+takes them side by side. The body is a device function (`sketch_group`) so that k8v4's append can run it in
 its own launch; under the simulator it is one thread per group (`LANES`).
 """
 from __future__ import annotations
@@ -34,8 +34,7 @@ from strata_nb.kernels.kv.quant_q4_0 import (D_STRIDE, HALF, quantize_q4_0_group
                                              quantize_q4_0_warp)
 
 # Threads a (cell, KV head, group) takes: a warp on the GPU; one under the simulator, where
-# every shuffle is a block-wide barrier of Python threads (a 64-cell chunk's sketch took 13 s
-# there as warps, 0.4 s as threads)
+# every shuffle is a block-wide barrier of Python threads (CHANGELOG.md has what it cost)
 LANES = on_gpu(WARP, simulator=1)
 from strata_nb.kv_layout import BLOCK, Q4_BYTES, Q4_GROUP
 
