@@ -19,8 +19,9 @@ largest |x| by warp_max, d from that lane), and lanes 0..15 write its 16 code by
 sketch's bytes equal `quantize_q4_0_ref` of the cell's K, as the tests check. One thread
 walking the group's 32 values alone is the plainer body (the simulator runs it, below),
 but a decode step on the GPU would wait for its chain of 32 loads and compares; a warp
-takes them side by side. The body is a device function (`sketch_group`) so that k8v4's append can run it in
-its own launch; under the simulator it is one thread per group (`LANES`).
+takes them side by side. The body is a device function (`sketch_group`) so that k8v4's
+append can run it in its own launch; under the simulator it is one thread per group
+(`LANES`).
 """
 from __future__ import annotations
 
@@ -33,10 +34,11 @@ from strata_nb.gpu.reduce import WARP
 from strata_nb.kernels.kv.quant_q4_0 import (D_STRIDE, HALF, quantize_q4_0_group, quantize_q4_0_ref,
                                              quantize_q4_0_warp)
 
+from strata_nb.kv_layout import BLOCK, Q4_BYTES, Q4_GROUP
+
 # Threads a (cell, KV head, group) takes: a warp on the GPU; one under the simulator, where
 # every shuffle is a block-wide barrier of Python threads (CHANGELOG.md has what it cost)
 LANES = on_gpu(WARP, simulator=1)
-from strata_nb.kv_layout import BLOCK, Q4_BYTES, Q4_GROUP
 
 
 def sketch_shape(n_blocks: int, n_kv: int, head_dim: int) -> tuple:
