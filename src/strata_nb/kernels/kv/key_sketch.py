@@ -33,7 +33,6 @@ from strata_nb.gpu.launch import DeviceArgs, expect, grid_for, view_bytes
 from strata_nb.gpu.reduce import WARP
 from strata_nb.kernels.kv.quant_q4_0 import (D_STRIDE, HALF, quantize_q4_0_group, quantize_q4_0_ref,
                                              quantize_q4_0_warp)
-
 from strata_nb.kv_layout import BLOCK, Q4_BYTES, Q4_GROUP
 
 # Threads a (cell, KV head, group) takes: a warp on the GPU; one under the simulator, where
