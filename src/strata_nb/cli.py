@@ -236,10 +236,7 @@ def compare_kv_cmd(model, text_file, ctx, formats, budgets, prefill_chunk, devic
     for f in fmts:
         if f not in USER_FORMATS + ("fp32",):
             raise StrataError(f"--kv {f!r} is not a KV format; choose from {', '.join(USER_FORMATS)}")
-    try:
-        qsa = [int(b) for b in budgets.split(",") if b.strip()]
-    except ValueError:
-        raise StrataError(f"--qsa-budget takes comma-separated cell counts, got {budgets!r}") from None
+    qsa = _numbers(budgets, "--qsa-budget", int, "cell counts")
     if not fmts or not qsa or min(qsa) < 0:
         raise StrataError("give at least one format and budgets >= 0")
     if text_file:
@@ -382,10 +379,7 @@ def bench(model, formats, streamed_formats, depths, runs, decode_tokens, check_t
             raise StrataError(f"--append needs a readable bench.json in {out}: {e}") from None
     fmts = _formats(formats, "--formats", allow_empty=True)
     streamed = fmts if streamed_formats is None else _formats(streamed_formats, "--streamed-formats", allow_empty=True)
-    try:
-        depth_list = [int(d) for d in depths.split(",") if d.strip()]
-    except ValueError:
-        raise StrataError(f"--depths takes comma-separated token counts, got {depths!r}") from None
+    depth_list = _numbers(depths, "--depths", int, "token counts")
     if not depth_list or min(depth_list) < 1:
         raise StrataError("--depths needs at least one depth >= 1")
     if runs < 1 or decode_tokens < 1 or check_tokens < 0:
