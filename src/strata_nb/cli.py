@@ -146,6 +146,35 @@ def run(prompt, max_tokens, temperature, top_k, top_p, seed, raw, stats, **engin
                        f"({eng.weights.experts.n_slots} slots)", err=True)
 
 
+@cli.command()
+@engine_options
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--conversation-cache-mib", type=float, default=1024, show_default=True,
+              help="Host memory for parked conversations' KV cells; 0 = no conversation cache.")
+@click.option("--conversation-fault", type=click.Choice(["none", "skip-restore"]), default="none",
+              help="Teaching switch: skip-restore resumes a parked conversation without writing its cells back "
+                   "(the probe's 'repeat after others' check catches it). Off by default.")
+def serve(host, port, conversation_cache_mib, conversation_fault, **engine_kw):
+    """An OpenAI-compatible server: /v1/chat/completions, /v1/completions, /v1/models, /metrics."""
+    from pathlib import Path
+
+    from .serve.app import create_app, listen, serve_forever
+
+    if conversation_cache_mib < 0:
+        raise click.BadParameter("must be >= 0", param_hint="--conversation-cache-mib")
+    if not 0 <= port <= 65535:
+        raise click.BadParameter(f"{port} is not a port number", param_hint="--port")
+    sock = listen(host, port)  # before loading: a taken port is said at once
+    eng = load_engine(**engine_kw)
+    eng.warm_up(eng.prompt_ids("Hello"))  # compile on a GPU now, not in the first request
+    model_id = Path(eng.model.path).stem
+    app = create_app(eng, model_id, conversation_cache_mib, conversation_fault)
+    click.echo(f"serving {model_id} on http://{host}:{sock.getsockname()[1]}/v1 ({eng.kv.describe()}; conversation cache "
+               f"{conversation_cache_mib:g} MiB)", err=True)
+    serve_forever(app, sock)
+
+
 def _prompt_text(prompt: str | None) -> str:
     """The prompt from the argument or else stdin, as text. Bytes that are not UTF-8 are a
     mistake in the input, said before the model loads."""

@@ -48,6 +48,7 @@ class RunStats:
     the kernels on their first use in the process (`Engine.warm_up`)."""
 
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose cells were already in the cache (a conversation cache hit)
     generated_tokens: int = 0
     load_seconds: float = 0.0  # opening the model and building the engine (Engine.load)
     warmup_seconds: float = 0.0  # compiling kernels on first use, and the first WARM_STEPS decode steps
@@ -60,7 +61,8 @@ class RunStats:
 
     @property
     def prefill_tok_s(self) -> float:
-        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
+        ran = self.prompt_tokens - self.cached_tokens
+        return ran / self.prefill_seconds if self.prefill_seconds else 0.0
 
     @property
     def decode_tok_s(self) -> float:
@@ -194,16 +196,18 @@ class Engine:
 
     # ---- the verbs ----------------------------------------------------------------------
     # --8<-- [start:verbs]
-    def prefill(self, ids: list[int], all_logits: bool = False, on_chunk=None):
-        """Run the prompt through the model in chunks; logits of the last (or every) position.
-        on_chunk(n) hears of each chunk's n tokens as it finishes (a progress bar)."""
-        if not ids:
-            raise StrataError("prefill needs at least one token")
+    def prefill(self, ids: list[int], all_logits: bool = False, on_chunk=None, start: int = 0):
+        """Run the prompt through the model in chunks; logits of the last (or every) position
+        from `start`. on_chunk(n) hears of each chunk's n tokens as it finishes (a progress
+        bar). start > 0: the cells before it already hold ids[:start] (the conversation
+        cache restored them), so only the rest runs."""
+        if not 0 <= start < len(ids):
+            raise StrataError(f"prefill needs at least one token after the {start} cached")
         outs = []
-        for start, logits in self._in_chunks(ids, 0, len(ids), self.settings.prefill_chunk, True, all_logits):
+        for at, logits in self._in_chunks(ids, start, len(ids), self.settings.prefill_chunk, True, all_logits):
             outs.append(logits)
             if on_chunk:
-                on_chunk(min(self.settings.prefill_chunk, len(ids) - start))
+                on_chunk(min(self.settings.prefill_chunk, len(ids) - at))
         return np.concatenate(outs) if all_logits else outs[-1][-1]
 
     def decode_one_token(self, token: int, pos: int) -> np.ndarray:
@@ -316,11 +320,14 @@ class Engine:
         yield from self.generate_ids(ids, s)
 
     # --8<-- [start:generate_ids]
-    def generate_ids(self, ids: list[int], s: SamplingSettings, on_token=None, on_prefill=None) -> Iterator[str]:
+    def generate_ids(self, ids: list[int], s: SamplingSettings, on_token=None, on_prefill=None,
+                     cached: int = 0) -> Iterator[str]:
+        """Text pieces of the reply to prompt `ids`. cached: the cache's cells already hold
+        ids[:cached] (serve/conversations.py), so the prefill starts there."""
         if self.settings.spec and s.temperature != 0:
             raise SettingError("spec", "verifies greedy picks: it needs --temperature 0")
         rng = np.random.default_rng(s.seed)
-        stats = self.last_stats = RunStats(prompt_tokens=len(ids), load_seconds=self.load_seconds)
+        stats = self.last_stats = RunStats(prompt_tokens=len(ids), cached_tokens=cached, load_seconds=self.load_seconds)
         t0 = time.perf_counter()
         stats.compiled = self.warm_up(ids)
         stats.warmup_seconds = time.perf_counter() - t0
@@ -328,7 +335,7 @@ class Engine:
         experts_before = experts.stats() if experts is not None else None
         decoder = StreamDecoder(self.tokenizer)
         t0 = time.perf_counter()
-        logits = self.prefill(ids, on_chunk=on_prefill)
+        logits = self.prefill(ids, on_chunk=on_prefill, start=cached)
         stats.prefill_seconds = time.perf_counter() - t0
         t0, pos = time.perf_counter(), len(ids)
         token = sample(logits, s, rng)
