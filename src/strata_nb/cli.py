@@ -509,6 +509,51 @@ def fetch():
     click.echo(str(fetch_model(progress=True)))
 
 
+@cli.command("probe")
+@click.option("--url", required=True,
+              help="The server's base URL, e.g. http://127.0.0.1:8080 (with or without /v1 on the end).")
+@click.option("--model", default=None,
+              help="The model field to send (default: the first id of GET /v1/models, else 'default').")
+@click.option("--api-key", default=None, help="Sent as a Bearer token.")
+@click.option("--timeout", type=float, default=300, show_default=True,
+              help="Seconds to wait for the server at any one point of a request.")
+@click.option("--seed", type=int, default=0, show_default=True,
+              help="Sent with every request (temperature 0); also the seed of the filler and the facts.")
+@click.option("--max-tokens", type=int, default=32, show_default=True, help="Reply tokens of the short checks.")
+@click.option("--parked/--no-parked", default=True, show_default=True,
+              help="Check 'repeat after others': a conversation's reply is the same after other conversations "
+                   "(catches a conversation cache that restores wrong, or any state leaking between requests).")
+@click.option("--others", type=int, default=3, show_default=True,
+              help="With --parked: the other conversations, every other one two-turn.")
+@click.option("--parked-words", type=int, default=2000, show_default=True,
+              help="With --parked: filler words of each conversation, enough that a cache which parks whole "
+                   "chunks (ours: 2048 tokens on a GPU) parks some; lower it for a server on a CPU.")
+@click.option("--needle-words", type=int, default=600, show_default=True,
+              help="Filler words around the planted fact.")
+@click.option("--free-tokens", type=int, default=200, show_default=True,
+              help="max_tokens of the free generation the repetition check scores.")
+@click.option("--ttft", type=int, default=None,
+              help="Also time the first token of a follow-up turn after a first turn of this many filler words "
+                   "(e.g. 3000), beside an uncached twin.")
+@click.option("--ttft-runs", type=int, default=3, show_default=True, help="Timings of each kind; medians are shown.")
+@click.option("--json", "as_json", is_flag=True, help="Print the JSON (with every reply) instead of the table.")
+@click.option("--out", type=click.Path(dir_okay=False), default=None, help="Also write the JSON to this file.")
+@click.pass_context
+def probe_cmd(ctx, url, api_key, timeout, as_json, out, **settings):
+    """Check an OpenAI-compatible chat server: streaming, repeats, state between requests, retrieval, loops.
+    Exit 0 when every check passes, 1 when one fails."""
+    from pathlib import Path
+
+    from .serve import probe
+
+    checks = probe.ProbeSettings(**settings)  # bad flags are said before the server is asked anything
+    result = probe.run(probe.Server(url, api_key, timeout), checks)  # no command line in it: it may hold the key
+    if out is not None:
+        Path(out).write_text(json.dumps(result, indent=1))
+    click.echo(json.dumps(result, indent=1) if as_json else probe.table(result))
+    ctx.exit(0 if result["passed"] else 1)
+
+
 def main(argv=None):
     """Entry point: user mistakes print one line and exit 2; bugs keep their traceback."""
     global _ARGV
