@@ -106,19 +106,21 @@ class EngineWorker(threading.Thread):
         while (job := self.jobs.get()) is not None:
             self.busy = True
             try:
-                self.serve(job)
+                final = self.serve(job)
             except Exception as e:  # a bug, not a bad request: the handlers checked those
                 traceback.print_exc(file=sys.stderr)
                 self.totals.failed += 1
-                job.emit("error", f"{type(e).__name__}: {e}")
-            finally:
-                self.busy = False
+                final = ("error", f"{type(e).__name__}: {e}")
+            self.busy = False  # before the last event: a client that hears it sees the engine free
+            if final is not None:
+                job.emit(*final)
 
-    def serve(self, job: Job):
-        """Run one job: resume from the conversation cache, generate, park."""
+    def serve(self, job: Job) -> tuple | None:
+        """Run one job: resume from the conversation cache, generate, park. Returns the
+        job's last event, ("done", finish reason and usage)."""
         if job.cancelled.is_set():  # the client left while it waited
             self.totals.cancelled += 1
-            return
+            return None
         eng = self.engine
         cached = self.conversations.resume(job.ids)
         cut, finish, first = StopText(job.stops), None, None
@@ -144,8 +146,8 @@ class EngineWorker(threading.Thread):
         s = eng.last_stats
         finish = finish or s.finish_reason or "length"
         self._count(s, finish, (first or time.perf_counter()) - job.queued_at)
-        job.emit("done", dict(finish_reason=finish, prompt_tokens=len(job.ids), cached_tokens=cached,
-                              completion_tokens=s.generated_tokens))
+        return "done", dict(finish_reason=finish, prompt_tokens=len(job.ids), cached_tokens=cached,
+                            completion_tokens=s.generated_tokens)
     # --8<-- [end:worker]
 
     def _count(self, s, finish: str, ttft: float):
