@@ -260,3 +260,35 @@ def test_the_model_field_without_a_models_endpoint(flags, sent, serve):
 def test_bad_flags_are_said_before_the_server_is_asked(flags, message):
     code, _, err = probe(*flags)
     assert code == 2 and err.splitlines() == [f"strata-nb: error: {message}"]
+
+
+# ---- against strata-nb serve ------------------------------------------------------------
+@pytest.mark.model
+@pytest.mark.slow
+def test_the_probe_passes_strata_nb_serve_and_catches_its_skip_restore_fault(default_model_path):
+    """Our server on the default model (CPU, chunks of 64 tokens, so the probe's 300-word
+    conversations park several): every check passes; with --conversation-fault
+    skip-restore the repeat-after-others check fails."""
+    from strata_nb import Engine
+    from strata_nb.serve import probe
+    from strata_nb.serve.app import Running, create_app
+
+    base = Engine.load(model=default_model_path, device="cpu", max_context=2048, prefill_chunk=64)
+    settings = probe.ProbeSettings(max_tokens=12, others=2, parked_words=300, needle_words=200, free_tokens=48,
+                                   rate=24)
+    server = Running(create_app(base.derive(quiet=True), "smol", 64))
+    try:
+        result = probe.run(probe.Server(server.url), settings)
+    finally:
+        server.stop()
+    assert result["passed"], probe.table(result)
+    assert result["model"] == "smol"
+    rate = result["checks"][-1]
+    assert rate["check"] == "rate" and rate["engine_tokens_per_s"] > 0 and rate["client_pieces_per_s"] > 0
+    server = Running(create_app(base.derive(quiet=True), "smol", 64, "skip-restore"))
+    try:
+        row = probe.parked_check(probe.Server(server.url), probe.ProbeSettings(model="smol", **{
+            k: getattr(settings, k) for k in ("max_tokens", "others", "parked_words")}))
+    finally:
+        server.stop()
+    assert row.passed is False, row.detail

@@ -536,6 +536,9 @@ def fetch():
               help="Also time the first token of a follow-up turn after a first turn of this many filler words "
                    "(e.g. 3000), beside an uncached twin.")
 @click.option("--ttft-runs", type=int, default=3, show_default=True, help="Timings of each kind; medians are shown.")
+@click.option("--rate", type=int, default=None,
+              help="Also time a streamed reply of this many tokens at the client; against strata-nb serve, beside "
+                   "the engine's own decode rate (the server's cost a token).")
 @click.option("--json", "as_json", is_flag=True, help="Print the JSON (with every reply) instead of the table.")
 @click.option("--out", type=click.Path(dir_okay=False), default=None, help="Also write the JSON to this file.")
 @click.pass_context

@@ -22,6 +22,9 @@ with a fixed seed. Each check catches what one request and a glance at its reply
   starts with the turn before, beside a twin that shares no prefix with anything sent.
   A measurement, no verdict: the ratio says whether the server reuses the earlier turn's
   cache, `cached_tokens` (when the server reports it) how much of it.
+- rate (only with --rate): a long streamed reply's pieces a second at the client. A
+  measurement too; against a server whose /metrics reports its engine's own steady
+  decode rate (ours), it says what the server adds to each token.
 
 Only the standard library speaks HTTP: the probe times the first streamed token and reads
 the server-sent events itself. A server that cannot be reached, answers an HTTP error, or
@@ -52,6 +55,10 @@ INCLUDE_USAGE = {"stream_options": {"include_usage": True}}  # OpenAI servers th
 # Each check draws its text from its own stream of the seed, so the words of one check
 # do not change when another check's settings do.
 NEEDLE, PARKED, TTFT = range(3)
+# The rate check times the pieces after the first RATE_SKIP: a server's first decode steps
+# can be slower than the rest (ours runs the first eagerly and captures the second into a
+# CUDA graph), and its own steady rate leaves the same steps out.
+RATE_SKIP = 3
 
 
 @dataclass(slots=True)
@@ -67,6 +74,7 @@ class ProbeSettings:
     free_tokens: int = 200  # max_tokens of the free generation
     ttft: int | None = None  # filler words of the ttft check's first turn; None: no ttft check
     ttft_runs: int = 3  # timings of each kind; the table shows medians
+    rate: int | None = None  # max_tokens of the rate check's streamed reply; None: no rate check
 
     def __post_init__(self):
         for name in ("max_tokens", "others", "parked_words", "needle_words", "free_tokens", "ttft_runs"):
@@ -74,6 +82,8 @@ class ProbeSettings:
                 raise SettingError(name, f"must be at least 1, got {getattr(self, name)}")
         if self.ttft is not None and self.ttft < 1:
             raise SettingError("ttft", f"must be at least 1 word, got {self.ttft}")
+        if self.rate is not None and self.rate <= RATE_SKIP + 1:
+            raise SettingError("rate", f"must be more than {RATE_SKIP + 1} tokens, got {self.rate}")
         if self.seed < 0:  # llama-server reads seed -1 as "draw one at random"
             raise SettingError("seed", f"must be >= 0, got {self.seed}")
 
@@ -89,6 +99,7 @@ class Reply:
     usage: dict | None  # as the server sent it; a stream has it only with INCLUDE_USAGE
     first_token_s: float | None = None  # streamed: seconds from sending to the first content piece
     pieces: int = 1  # streamed: content deltas
+    piece_s: tuple = ()  # streamed: seconds from sending to each content piece
     done: bool = True  # streamed: ended with data: [DONE]
 
 
@@ -127,6 +138,18 @@ class Server:
             return [str(m["id"]) for m in listed["data"]]
         except (KeyError, TypeError):
             return []
+
+    def metric(self, name: str) -> float | None:
+        """One unlabelled sample of GET /metrics (Prometheus text); None when there is none."""
+        try:
+            text = self._exchange("GET", "/metrics", None, lambda response, started, where: response.read().decode())
+        except StrataError:
+            return None
+        for line in text.splitlines():
+            parts = line.split()
+            if len(parts) == 2 and parts[0] == name:
+                return float(parts[1])
+        return None
 
     def chat(self, body: dict, stream: bool = False) -> Reply:
         return self._exchange("POST", "/v1/chat/completions", body | {"stream": stream},
@@ -199,7 +222,7 @@ def _completion(response, started: float, where: str) -> Reply:
 
 def _streamed(response, started: float, where: str) -> Reply:
     """The server-sent events of a streamed chat completion, read as they arrive."""
-    pieces, finish_reason, usage, first_token_s, done = [], None, None, None, False
+    pieces, finish_reason, usage, first_token_s, done, times = [], None, None, None, False, []
     for raw in response:  # one line at a time, returned as soon as its newline arrives
         line = raw.decode("utf-8", "replace").strip()
         if not line.startswith("data:"):
@@ -216,8 +239,8 @@ def _streamed(response, started: float, where: str) -> Reply:
             for choice in chunk.get("choices") or ():  # the usage chunk has none
                 piece = (choice.get("delta") or {}).get("content")
                 if piece:
-                    if first_token_s is None:
-                        first_token_s = time.perf_counter() - started
+                    times.append(time.perf_counter() - started)
+                    first_token_s = times[0]
                     pieces.append(piece)
                 finish_reason = choice.get("finish_reason") or finish_reason
         except (TypeError, AttributeError):
@@ -225,7 +248,7 @@ def _streamed(response, started: float, where: str) -> Reply:
             raise StrataError(f"{where} streamed an event that is not a chat completion chunk: {shown}") from None
     if first_token_s is None:  # an empty reply: the server had nothing to say until the end
         first_token_s = time.perf_counter() - started
-    return Reply("".join(pieces), finish_reason, usage, first_token_s, len(pieces), done)
+    return Reply("".join(pieces), finish_reason, usage, first_token_s, len(pieces), piece_s=tuple(times), done=done)
 
 
 def default_model(server: Server) -> str:
@@ -379,6 +402,25 @@ def ttft_check(server: Server, s: ProbeSettings) -> Row:
                          "prompt_tokens": prompt_tokens})
 
 
+def rate_check(server: Server, s: ProbeSettings) -> Row:
+    """The streamed pieces' rate as the client receives them. Against a server whose
+    /metrics reports its engine's own steady decode rate (ours), the difference is the
+    server's cost per token: HTTP, the event loop and the queue between them."""
+    reply = server.chat(s.request([user(FREE_PROMPT)], s.rate), stream=True)
+    times = reply.piece_s[RATE_SKIP - 1:]
+    if len(times) < 2:
+        return Row("rate", False, f"only {reply.pieces} pieces came: too few to time")
+    client = (len(times) - 1) / (times[-1] - times[0])
+    measured = {"client_pieces_per_s": client, "pieces": reply.pieces}
+    detail = f"{reply.pieces} pieces, {client:.1f} a second at the client after the first {RATE_SKIP}"
+    engine = server.metric("strata_nb_last_decode_tokens_per_second")
+    if engine:
+        overhead = engine / client - 1  # the share of the engine's time a token spends on top of it
+        measured |= {"engine_tokens_per_s": engine, "overhead": overhead}
+        detail += f"; the engine's steady rate {engine:.1f} tokens a second: {100 * overhead:+.1f}% a token"
+    return Row("rate", None, detail, figure=f"{client:.1f}/s", measured=measured)
+
+
 def run(server: Server, s: ProbeSettings) -> dict:
     """Every check that `s` asks for, in order; passed: no check failed."""
     s = replace(s, model=s.model or default_model(server))
@@ -388,6 +430,8 @@ def run(server: Server, s: ProbeSettings) -> dict:
     rows += [needle_check(server, s), repetition_check(server, s)]
     if s.ttft is not None:
         rows.append(ttft_check(server, s))
+    if s.rate is not None:
+        rows.append(rate_check(server, s))
     return {"url": server.url, "model": s.model, "settings": asdict(s),
             "passed": all(r.passed is not False for r in rows), "checks": [r.as_json() for r in rows]}
 
