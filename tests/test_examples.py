@@ -26,6 +26,7 @@ EXAMPLES = {
     "stream_blocks.py": ([], "total: ", False),
     "ring_restore.py": ([], "host copy == snapshot", False),
     "generate.py": (["--max-tokens", "8", "--max-context", "512"], "generated 8 tokens", True),
+    "chat_client.py": (["--max-tokens", "12"], "strata_nb_cached_tokens_total 512", True),
     "fault_lab.py": (["--chars", "2000", "--kv-window", "64", "--max-tokens", "12"], "outputs identical: False", True),
     "moe_oracle.py": ([], "16 greedy tokens agree: True", False),
     "expert_cache.py": ([], "every cache size gives the all-resident logits: True; the fault is caught: True", False),

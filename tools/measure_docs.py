@@ -6,6 +6,7 @@
     python tools/measure_docs.py verify       # the verify-window lab: --fault verify-no-mirror (~8 min)
     python tools/measure_docs.py examples     # what the model-free examples print (seconds)
     python tools/measure_docs.py qsa-ranks    # where QSA's scores rank a planted fact's block (~3 min)
+    python tools/measure_docs.py serve        # strata-nb probe against strata-nb serve, and the fault (~15 min)
 
 Every page shows the command that produced its numbers; nothing here is typed by hand.
 CI does not run this (it takes minutes); the docs build only includes its output.
@@ -216,6 +217,35 @@ def qsa_ranks():
         f"| --- | ---: | ---: | ---: |\n" + "\n".join(rows) + "\n")
 
 
+SERVE_PROBE = ["--ttft", "3400", "--rate", "256"]  # a first turn of ~4,100 tokens: the goal's 4K conversation
+
+
+def serve():
+    """`strata-nb probe` against `strata-nb serve` on the CPU, then against the same server
+    with --conversation-fault skip-restore; the probe runs in a process of its own."""
+    from strata_nb import Engine
+    from strata_nb.serve.app import Running, create_app
+
+    base = Engine.load(device="cpu")
+    parts = []
+    for fault, probe_args in (("none", SERVE_PROBE), ("skip-restore", [])):
+        server = Running(create_app(base.derive(quiet=True), "SmolLM2-135M-Instruct.Q4_1", 1024, fault))
+        try:
+            cmd = [sys.executable, "-m", "strata_nb.cli", "probe", "--url", server.url, *probe_args]
+            done = subprocess.run(cmd, capture_output=True, text=True)
+        finally:
+            server.stop()
+        if done.returncode not in (0, 1):
+            sys.exit(f"the probe failed:\n{done.stderr}")
+        flag = "" if fault == "none" else f" --conversation-fault {fault}"
+        parts.append(f"```text\n$ strata-nb serve --device cpu{flag} &\n$ strata-nb probe --url {server.url} "
+                     f"{' '.join(probe_args)}\n{done.stdout.rstrip()}\n```\n")
+    (OUT / "serve").mkdir(exist_ok=True)
+    (OUT / "serve" / "probe.md").write_text(
+        f"Measured with `python tools/measure_docs.py serve` ({machine()}; the server on a thread of that "
+        "process, the probe in a process of its own).\n\n" + "\n".join(parts))
+
+
 def examples():
     for name in CAPTURED_EXAMPLES:
         done = subprocess.run([sys.executable, f"examples/{name}.py"], cwd=ROOT, capture_output=True, text=True)
@@ -230,4 +260,4 @@ if __name__ == "__main__":
     OUT.mkdir(parents=True, exist_ok=True)
     for what in sys.argv[1:] or ["compare", "stream", "fault", "verify", "examples"]:
         {"compare": compare, "stream": stream, "fault": fault, "verify": verify_fault, "examples": examples,
-         "qsa-ranks": qsa_ranks}[what]()
+         "qsa-ranks": qsa_ranks, "serve": serve}[what]()
