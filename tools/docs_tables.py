@@ -241,7 +241,9 @@ def needle_page(result: dict, scores: str) -> str:
     from strata_nb.needle import table
 
     s = result["settings"]
-    return (f"Measured with `strata-nb needle --device {s['backend']} --kv {s['kv']} --kv-resident {s['kv_resident']}` "
+    trials = f" --trials {result['trials']}" if result["trials"] != 2 else ""  # 2: the command's default
+    return (f"Measured with `strata-nb needle --device {s['backend']} --kv {s['kv']} --kv-resident {s['kv_resident']}"
+            f"{trials}` "
             f"on an {s.get('device', s['backend'])}, block scores from {scores}: {result['trials']} facts per "
             f"(length, depth), {s['max_tokens']}-token greedy replies; a cell is the share of replies that hold "
             f"the fact's answer.\n\n{table(result)}\n")
