@@ -391,8 +391,11 @@ def _numbers(text: str, flag: str, kind, what: str) -> list:
 @click.option("--spec", "spec_windows", default=None,
               help="Also bench the resident rows with speculative decoding at these verify windows, e.g. 4 or 4,8 "
                    "(acceptance and tokens a pass beside tok/s; each row's tokens are held to --spec 0's).")
+@click.option("--llama-bench", "llama_bench", default=None,
+              help="A llama.cpp llama-bench binary: run it on the same GGUF, depths and KV types (k8v4 as q8_0 K + "
+                   "q4_0 V) and put its rows and ours-over-llama.cpp ratios beside ours.")
 def bench(model, formats, streamed_formats, depths, runs, decode_tokens, check_tokens, peer, profile, device,
-          graph, max_context, out, append, expert_cache, spec_windows):
+          graph, max_context, out, append, expert_cache, spec_windows, llama_bench):
     """Measure prefill and decode tok/s per KV format, resident and streamed, at several depths."""
     from importlib import resources
     from pathlib import Path
@@ -415,6 +418,10 @@ def bench(model, formats, streamed_formats, depths, runs, decode_tokens, check_t
         raise StrataError("--runs and --decode-tokens must be >= 1, --check-tokens >= 0")
     shares = _shares(expert_cache) if expert_cache is not None else None
     windows = _windows(spec_windows) if spec_windows is not None else None
+    if llama_bench is not None:
+        from .bench.llama import check_binary
+
+        llama_bench = check_binary(llama_bench)
     eng = load_engine(model=model, device=device, graph=graph, max_context=max_context)
     if shares and not eng.config.n_expert:
         raise StrataError("--expert-cache benches an MoE model's expert cache; this model is dense")
@@ -428,11 +435,12 @@ def bench(model, formats, streamed_formats, depths, runs, decode_tokens, check_t
         partial.write_text(json.dumps(result | about, indent=1))
 
     result = run_bench(eng, text, fmts, streamed, depth_list, runs, decode_tokens, check_tokens, peer, profile,
-                       lambda m: click.echo(m, err=True), progress, shares, windows)
+                       lambda m: click.echo(m, err=True), progress, shares, windows, llama_bench)
     result |= about
     if earlier is not None:
         result = earlier | {k: v for k, v in result.items() if k not in ("rows", "peer", "command")} | {
             "rows": earlier["rows"] + result["rows"], "peer": earlier.get("peer", []) + result["peer"],
+            "llama": earlier.get("llama", []) + result.get("llama", []),
             "command": earlier["command"] + "; then: " + result["command"]}
     for path in write(result, Path(out)):
         click.echo(str(path))

@@ -53,8 +53,26 @@ def table(result: dict) -> str:
         else:
             lines.append(f"| {p['peer']} | {p['depth']:,} | {_rate(p['prefill_tok_s'])} | "
                          f"{_rate(p['decode_tok_s'])} | | | | | | peer |")
+    for p in result.get("llama", []):
+        depth = f"{p['depth']:,}" if "depth" in p else "-"
+        if "error" in p:
+            lines.append(f"| {p['peer']} | {depth} | failed | failed | | | | | | {p['error'][:80]} |")
+        else:
+            lines.append(f"| {p['peer']} | {depth} | {_rate(p['prefill_tok_s'])} | {_rate(p['decode_tok_s'])} "
+                         f"| | | | | | llama.cpp {p['build']} |")
     return "\n".join(lines)
 # --8<-- [end:bench_table]
+
+
+def llama_table(result: dict) -> str:
+    """Ours over llama.cpp's, per format and depth: above 1 is faster."""
+    from .llama import ratios
+
+    lines = ["| format | depth | llama.cpp | prefill, ours / llama.cpp | decode, ours / llama.cpp |",
+             "| --- | ---: | --- | ---: | ---: |"]
+    lines += [f"| {r['fmt']} | {r['depth']:,} | {r['peer']} | {r['prefill']:.2f} | {r['decode']:.2f} |"
+              for r in ratios(result)]
+    return "\n".join(lines)
 
 
 def profile_table(prof: dict) -> str:
@@ -116,6 +134,8 @@ def write(result: dict, out: Path) -> list[Path]:
     md = ["# strata-nb bench", "", f"`{result['command']}`", "",
           f"Model: {result['model']}; device: {result['device']}; runs: {result['runs']} (median); "
           f"decode tokens per run: {result['decode_tokens']}.", "", table(result)]
+    if result.get("llama"):
+        md += ["", "## Against llama.cpp", "", llama_table(result)]
     for key in ("profile", "profile_streamed"):
         if result.get(key):
             md += ["", f"## One decode step, {result[key]['config']}", "", profile_table(result[key])]

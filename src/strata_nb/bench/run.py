@@ -194,13 +194,15 @@ def profile_depth(depth: int) -> int:
 
 def bench(base, text: str, formats: list[str], streamed_formats: list[str], depths: list[int], runs: int,
           n_decode: int, check_n: int, peer: bool, profile: bool, log, progress=None,
-          expert_shares: list[float] | None = None, spec_windows: list[int] | None = None) -> dict:
+          expert_shares: list[float] | None = None, spec_windows: list[int] | None = None,
+          llama_bench: str | None = None) -> dict:
     """Every configuration, the output check, the peer and the profile, as one dict.
     expert_shares: an MoE model's resident rows again with this share of its experts in VRAM
     slots each (0.25, 0.5, 1.0), the rest read from host memory.
     spec_windows: the resident rows again with speculative decoding at each verify window;
     a spec row's tokens must be its --spec 0 row's (greedy identity), checked here.
     check_n: how many of each configuration's first greedy tokens the numpy backend checks.
+    llama_bench: a llama-bench binary to run on the same file, depths and formats (llama.py).
     progress(result): called with the dict so far after each row, the peer and the
     profile (rows not yet checked have no "check"), so a run cut short keeps its rows."""
     from dataclasses import asdict
@@ -255,6 +257,11 @@ def bench(base, text: str, formats: list[str], streamed_formats: list[str], dept
             progress(result)
     if peer:
         result["peer"] = peers.peer_rows(base.config, measured_depths, runs, n_decode, log)
+        progress(result)
+    if llama_bench:
+        from .llama import llama_rows
+
+        result["llama"] = llama_rows(llama_bench, str(base.model.path), formats, measured_depths, runs, n_decode, log)
         progress(result)
     if profile and base.be.name == "cuda":  # one resident step and, with streamed rows, one streamed step
         depth = profile_depth(measured_depths[-1])
