@@ -117,7 +117,7 @@ def test_generate_stops_with_a_step_queued_past_the_stop(eng, step):
     prompt, first = [3 + ord(c) for c in "ab"], 40
     t1, t2, t3 = expected(first, len(prompt), 3)
     assert t2 not in (first, t1)  # the stand-in's sequence, fixed by the constants above
-    eng.prefill = lambda ids, on_chunk=None: np.eye(VOCAB, dtype=np.float32)[first]
+    eng.prefill = lambda ids, on_chunk=None, start=0: np.eye(VOCAB, dtype=np.float32)[first]
     eng.device_step = lambda *args: step
     eng.tokenizer.stop_ids = set(eng.tokenizer.stop_ids) | {t2}
     try:
@@ -149,7 +149,7 @@ def test_compile_time_is_warm_up_not_decode(eng, step):
 
     from strata_nb.engine.engine import WARM_STEPS
 
-    eng.prefill = lambda ids, on_chunk=None: np.eye(VOCAB, dtype=np.float32)[40]
+    eng.prefill = lambda ids, on_chunk=None, start=0: np.eye(VOCAB, dtype=np.float32)[40]
     eng.device_step = lambda *args: step
     stops, eng.tokenizer.stop_ids = eng.tokenizer.stop_ids, set()  # the stand-in's tokens run to max_tokens
     slow_first_call(step, "launch")
