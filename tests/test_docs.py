@@ -39,10 +39,11 @@ def test_mkdocs_build_strict(site):
 
 
 def kernel_names() -> list[str]:
-    """Every @cuda.jit kernel (not device function) defined in src/strata_nb/kernels/."""
+    """Every @cuda.jit kernel (not device function) defined in src/strata_nb/kernels/:
+    declared `@cuda.jit(cache=True)` (tests/test_kernel_cache.py), or bare."""
     names = []
     for f in sorted((ROOT / "src" / "strata_nb" / "kernels").rglob("*.py")):
-        names += re.findall(r"@cuda\.jit\s*\n\s*def (\w+)", f.read_text())
+        names += re.findall(r"@cuda\.jit(?:\(cache=True\))?\s*\n\s*def (\w+)", f.read_text())
     return names
 
 

@@ -77,7 +77,7 @@ def make_attention_kernel(read_k, read_v, D):
     uD, uCELLS, uRG, uCG = uint64(D), uint64(CELLS), uint64(ROW_GROUPS), uint64(COL_GROUPS)
     B_REGS = max(CPT, DPT)  # K values of the scores, then V values of the sums
 
-    @cuda.jit
+    @cuda.jit(cache=True)
     def attention_kernel(q,           # (Q, H, D) float32
                          q_pos,       # (Q,) int32
                          blocks,      # (Q, S) int32, -1 = padding; or (1, S), every query's
@@ -288,7 +288,7 @@ ATTENTION_KERNELS = {(fmt, d): make_attention_kernel(READERS[k], READERS[v], d)
                      for fmt, (k, v) in SIDES.items() for d in HEAD_DIMS}
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def attention_combine_kernel(part_m, part_l, part_acc,  # as attention_kernel wrote them
                              out):  # (Q, H, D) float32, written
     # One thread block per (query, head): thread (t, g) owns dimension t and every

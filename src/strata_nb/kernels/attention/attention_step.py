@@ -139,7 +139,7 @@ def max_cells(head_dim: int, group: int) -> int:
 def make_attention_step_kernel1(read_k, read_v):
     """The plain kernel for one format: how it reads a column of K and of V (kv_readers.py)."""
 
-    @cuda.jit
+    @cuda.jit(cache=True)
     def attention_step_kernel1(q,           # (Q, H, D) float32
                                q_pos,       # (Q,) int32
                                blocks,      # (Q, S) int32, -1 = padding
@@ -249,7 +249,7 @@ def make_attention_step_kernel(read_k, read_v, G, D, per_split):
             out[i, kv_h * G + g, d] = merged[g, d]
     # --8<-- [end:step_write_output]
 
-    @cuda.jit
+    @cuda.jit(cache=True)
     def attention_step_kernel(q,           # (Q, G * n_kv, D) float32
                               q_pos,       # (Q,) int32
                               blocks,      # (Q, S) int32, -1 = padding

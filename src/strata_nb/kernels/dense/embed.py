@@ -34,7 +34,7 @@ def embed_ref(table,  # (rows, d) float32 when qtype is None, else (rows, bytes_
 
 
 # --8<-- [start:embed_kernel]
-@cuda.jit
+@cuda.jit(cache=True)
 def embed_rows_kernel(table,  # (rows, d) float32
                       ids,    # (n,) int32
                       out):   # (n, d) float32, written
@@ -46,7 +46,7 @@ def embed_rows_kernel(table,  # (rows, d) float32
 
 
 def make_embed_kernel(part, nibbles):
-    @cuda.jit
+    @cuda.jit(cache=True)
     def embed_kernel(a,    # (rows, *) view a of the table's GGUF rows (gguf_rows.QTYPES)
                      b,    # (rows, *) view b of the same bytes
                      ids,  # (n,) int32

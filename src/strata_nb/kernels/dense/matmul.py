@@ -62,7 +62,7 @@ def matmul_ref(x,      # (n, in) float32
 
 # --8<-- [start:matmul_kernel]
 def make_matmul_kernel(part, nibbles):
-    @cuda.jit
+    @cuda.jit(cache=True)
     def matmul_kernel(x,  # (n, in) float32
                       a,  # (out, *) view a of W's rows (gguf_rows.QTYPES)
                       b,  # (out, *) view b of the same bytes

@@ -128,7 +128,7 @@ def make_matvec_kernel1(part, nibbles):
     W, each lane dequantizing every 32nd part of the row and multiplying it with every
     row of x; nothing fused, no rows of W shared between warps."""
 
-    @cuda.jit
+    @cuda.jit(cache=True)
     def matvec_kernel1(x,     # (n, in) float32, n <= MAX_ROWS
                        n_in,  # int32: the length of a row of W
                        a,     # (out, *) view a of W's rows (QTYPES)

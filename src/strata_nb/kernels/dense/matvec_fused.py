@@ -176,7 +176,7 @@ def make_matvec_kernel(part, nibbles, load_x, store_y, normed, x_rows, rows, rop
     append = append_pair is not None
     append_pair = append_pair or no_append
 
-    @cuda.jit
+    @cuda.jit(cache=True)
     def matvec_kernel(x,     # (n, in) float32, n <= 8; (n, 2 in) gated
                       norm,  # (in,) float32 rmsnorm weight (normed), else unused
                       eps,   # float32 (normed)

@@ -16,7 +16,7 @@ def residual_ref(x,  # (n, d) float32: the residual stream, written
 
 
 # --8<-- [start:residual_kernel]
-@cuda.jit
+@cuda.jit(cache=True)
 def residual_kernel(x, y):  # shapes as residual_ref
     lane = cuda.grid(1)  # one value
     d = x.shape[1]

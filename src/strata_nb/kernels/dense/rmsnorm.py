@@ -57,7 +57,7 @@ def inv_rms(sum_squares, d, eps):
     return float32(1.0) / math.sqrt(sum_squares / float32(d) + eps)
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def rmsnorm_kernel(x,    # (n, d) float32
                    w,    # (d,) float32
                    eps,  # float32

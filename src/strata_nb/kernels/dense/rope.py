@@ -42,7 +42,7 @@ def rope_qkv_ref(qkv,  # (n, (n_heads + 2 n_kv) hd) float32: q heads, then k hea
 
 
 # --8<-- [start:rope_qkv_kernel]
-@cuda.jit
+@cuda.jit(cache=True)
 def rope_qkv_kernel(qkv, cos, sin, q, k, v):  # shapes as rope_qkv_ref
     n, n_heads, hd = q.shape
     n_kv = k.shape[1]

@@ -32,7 +32,7 @@ def swiglu_ref(gate_up,  # (n, 2 ff) float32: gate values, then up values
 
 
 # --8<-- [start:swiglu_kernel]
-@cuda.jit
+@cuda.jit(cache=True)
 def swiglu_kernel(gate_up, out):  # shapes as swiglu_ref
     n, ff = out.shape
     lane = cuda.grid(1)  # one output value

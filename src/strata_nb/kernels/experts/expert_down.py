@@ -81,7 +81,7 @@ def make_expert_down_kernel(part, nibbles):
             acc += weight * (w[i] * h[t, r, lo + i] + w[4 + i] * h[t, r, hi + i])
         return acc
 
-    @cuda.jit
+    @cuda.jit(cache=True)
     def expert_down_kernel(h,               # (T, K, F) float32
                            chosen,          # (T, K) int32
                            weights,         # (T, K) float32

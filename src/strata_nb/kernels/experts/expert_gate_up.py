@@ -83,7 +83,7 @@ def make_expert_gate_up_kernel(part, nibbles):
             acc += w[i] * x_norm[t, lo + i] + w[4 + i] * x_norm[t, hi + i]
         return acc
 
-    @cuda.jit
+    @cuda.jit(cache=True)
     def expert_gate_up_kernel(x_norm,           # (T, D) float32
                               chosen,           # (T, K) int32
                               res, at,          # (L * E,) int32, int32

@@ -88,7 +88,7 @@ PRELOAD = 4  # parts of its router row a lane loads before the norm (all of them
 def make_route_kernel(part, nibbles):
     """The router kernel for one type of router row (its dequantizer `part`)."""
 
-    @cuda.jit
+    @cuda.jit(cache=True)
     def route_kernel(x, norm, eps,   # (T, D) float32, (D,) float32, float32
                      ra, rb,         # (E, *) two views of the router's GGUF rows
                      x_norm,         # (T, D) float32, written

@@ -27,7 +27,7 @@ def copy_runs_ref(src,        # (n_src_blocks, run_words) uint32: one run of a p
 
 
 # --8<-- [start:copy_runs_kernel]
-@cuda.jit
+@cuda.jit(cache=True)
 def copy_runs_kernel(src, dst, src_index, dst_index):  # shapes as copy_runs_ref
     lane = cuda.grid(1)  # one 4-byte word of one copied block
     words = src.shape[1]

@@ -124,7 +124,7 @@ else:
 
 
 # --8<-- [start:hadamard_kernel]
-@cuda.jit
+@cuda.jit(cache=True)
 def hadamard_kernel(x,    # (rows, 64) float32
                     out):  # (rows, 64) float32, written
     r = cuda.grid(1)  # one thread per row: the transform mixes all 64 values of its row

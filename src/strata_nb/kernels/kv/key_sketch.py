@@ -86,7 +86,7 @@ else:
             quantize_q4_0_group(k_new[i, h], sketch[b, h, c], sketch_d[b, h, c], g)
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def key_sketch_kernel(k_new, positions, sketch, sketch_d):  # as key_sketch_ref; sketch_d: its bytes as float16
     t = cuda.grid(1)
     sketch_group(t // LANES, t % LANES, k_new, positions, sketch, sketch_d)

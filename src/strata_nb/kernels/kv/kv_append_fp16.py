@@ -74,7 +74,7 @@ def store_cell(side,        # 0: a K value, 1: a V value
         host[block, h, cell, j] = value
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def kv_append_fp16_kernel(k_new, v_new,       # (n, n_kv, head_dim) float32
                           positions,          # (n,) int32
                           page_table,         # (n_logical_blocks,) int32

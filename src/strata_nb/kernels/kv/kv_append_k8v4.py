@@ -87,7 +87,7 @@ def kv_append_k8v4_ref(k, v, positions, page_table, pool, host, *, fold_v_half=T
 
 
 # --8<-- [start:kv_append_k8v4_kernel]
-@cuda.jit
+@cuda.jit(cache=True)
 def kv_append_k8v4_kernel(q8_warps,        # int32: warps of the K half; the V half's come after them
                           append_threads,  # int32: the threads of both halves' thread blocks
                           k8_k, k8_v, k8_pos, k8_table, k_q, k_s, k_q_v, k_s_v,  # append_q8_warp's arrays:

@@ -106,7 +106,7 @@ def append_q4_warp(unit, lane,      # this warp's index among the launch's q4 wa
             host_d[block, h, cell, g * D_STRIDE] = d
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def kv_append_q4_kernel(k_new, v_new, positions, page_table, k_q4, k_d, v_q4, v_d,
                         host_k_q4, host_k_d, host_v_q4, host_v_d, rotate):  # append_q4_warp's arguments
     append_q4_warp(cuda.grid(1) // WARP, cuda.threadIdx.x % WARP, k_new, v_new, positions, page_table,

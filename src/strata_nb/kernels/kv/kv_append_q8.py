@@ -81,7 +81,7 @@ def append_q8_warp(unit, lane,        # this warp's index among the launch's q8 
             host_s[block, h, cell, g] = scale
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def kv_append_q8_kernel(k_new, v_new, positions, page_table, k_q, k_s, v_q, v_s,
                         host_k_q, host_k_s, host_v_q, host_v_s):  # append_q8_warp's arrays
     append_q8_warp(cuda.grid(1) // WARP, cuda.threadIdx.x % WARP, k_new, v_new, positions, page_table,

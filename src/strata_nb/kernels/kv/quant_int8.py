@@ -128,7 +128,7 @@ def dequantize_int8_column(codes,   # (n, n_kv, 16, head_dim) int8: a pool or ho
 
 
 # --8<-- [start:quantize_int8_kernel]
-@cuda.jit
+@cuda.jit(cache=True)
 def quantize_int8_kernel(x,       # (rows, 64k) float32
                          codes,   # (rows, 64k) int8, written
                          scales):  # (rows, k) float16, written

@@ -169,7 +169,7 @@ def dequantize_q4_0_column(q4,    # (n, n_kv, 16, head_dim // 32 * 18) uint8: a 
 
 
 # --8<-- [start:quantize_q4_0_kernel]
-@cuda.jit
+@cuda.jit(cache=True)
 def quantize_q4_0_kernel(x,     # (rows, 32k) float32
                          q4,    # (rows, 18k) uint8, written
                          q4_d):  # (rows, 9k) float16: the same bytes as q4

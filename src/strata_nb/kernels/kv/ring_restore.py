@@ -28,7 +28,7 @@ def ring_restore_ref(host,       # (n_blocks, run_words) uint32: one run of the 
 
 
 # --8<-- [start:ring_restore_kernel]
-@cuda.jit
+@cuda.jit(cache=True)
 def ring_restore_kernel(host, ring,  # shapes as ring_restore_ref
                         first_block, n_copy,  # int: the first block restored, and how many
                         n_ring):  # int: ring slots

@@ -27,7 +27,7 @@ def advance_step_ref(token,   # (1,) int32: the next step's input, already the g
 
 
 # --8<-- [start:advance_step_kernel]
-@cuda.jit
+@cuda.jit(cache=True)
 def advance_step_kernel(token, pos, chosen):  # shapes as advance_step_ref
     if cuda.grid(1) == 0:
         chosen[pos[0] % chosen.shape[0]] = token[0]

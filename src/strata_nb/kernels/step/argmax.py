@@ -47,7 +47,7 @@ def first_of_max(best, best_j, vocab):
     return top, int(-block_max(-candidate))
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def argmax_kernel(logits,      # (n, vocab) float32
                   part_value,  # (n, chunks) float32 scratch: each chunk's max
                   part_index,  # (n, chunks) int32 scratch: its first index

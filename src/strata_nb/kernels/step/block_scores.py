@@ -70,7 +70,7 @@ def make_block_scores_kernel(G, KV, D):
     """The kernel for G query heads per KV head, KV heads and head_dim D, all compiled in."""
     GROUPS = D // Q4_GROUP
 
-    @cuda.jit
+    @cuda.jit(cache=True)
     def block_scores_kernel(q, sketch, sketch_d, scores):  # as block_scores_ref; sketch_d: its bytes as float16
         # Thread block (b, i): block b, query i; warp g: KV head g; lane: cell c, groups w0, w0 + 2, ...
         b, i = cuda.blockIdx.x, cuda.blockIdx.y

@@ -39,7 +39,7 @@ def map_ring_ref(q_pos,        # (1,) int32: the cell the step writes
 point_on_device = cuda.jit(device=True)(point)  # the host's own re-pointing, compiled for the GPU
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def map_ring_kernel(q_pos, page_tables, slot_blocks, n_ring):  # as map_ring_ref, a thread per layer
     layer = cuda.grid(1)
     if layer < page_tables.shape[0]:

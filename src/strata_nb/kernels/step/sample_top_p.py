@@ -103,7 +103,7 @@ def uniform(seed, counter):
     return float32((x >> 8) * (1.0 / (1 << 24)))
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def sample_top_p_kernel(logits, inv_temperature, top_p, seed, counter, out):  # as sample_top_p_ref
     # One block. Thread t owns the chunk [t * chunk, (t + 1) * chunk) of the vocabulary:
     # contiguous, so the walk in step 4 can skip whole chunks in vocabulary order.

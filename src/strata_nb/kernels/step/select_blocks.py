@@ -106,7 +106,7 @@ def outranks(other, c, mine, b):
     return other > mine or (other == mine and c < b)
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def select_blocks_kernel(scores, q_pos, page_table, window_blocks, budget_cells, chosen, out, counts,  # as select_blocks_ref
                          arrivals):  # (1,) int32 ticket counter: 0 before the launch, 0 after it
     t = cuda.threadIdx.x
