@@ -31,6 +31,18 @@ def test_run_reads_stdin_and_prints_stats(tiny_model, capsys, monkeypatch):
     assert "prompt tokens: 10" in err and "prefill:" in err and "decode:" in err
 
 
+@pytest.mark.parametrize("made, says", [((3, 5), "(3 kernels compiled, 5 kernels loaded from the cache"),
+                                         ((0, 7), "(7 kernels loaded from the cache")])
+def test_stats_say_which_kernels_were_compiled_and_which_loaded(made, says, tiny_model, capsys, monkeypatch):
+    """On a GPU the warm-up makes the kernels (gpu/kernel_cache.py); a run that loaded them
+    all from the cache does not claim it compiled. Its counts stand in for a GPU's here."""
+    from strata_nb import Engine
+
+    monkeypatch.setattr(Engine, "warm_up", lambda self, ids: made)
+    code, out, err = run_cli(["run", "--model", tiny_model, "--max-tokens", "2", "--stats", "hi"], capsys)
+    assert code == 0 and says in err and ("compiled" in err) == bool(made[0])
+
+
 @pytest.mark.parametrize("argv, message", [
     (["run", "   "], "the prompt is empty"),
     (["run", "--max-context", "16", "--raw", "x" * 40], "--max-context 16 does not fit the prompt's 40 tokens"),

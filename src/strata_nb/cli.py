@@ -122,9 +122,10 @@ def run(prompt, max_tokens, temperature, top_k, top_p, seed, raw, stats, **engin
         from .engine.engine import WARM_STEPS
 
         s = eng.last_stats
-        warm = "kernels compiled, " if s.compiled else ""
-        warm += f"the first {WARM_STEPS} decode steps" if s.decode_steps and s.generated_tokens - 1 > WARM_STEPS else ""
-        click.echo(f"load: {s.load_seconds:.2f} s, warm-up: {s.warmup_seconds:.2f} s" + (f" ({warm.rstrip(', ')})"
+        warm = [f"{s.kernels_compiled} kernels compiled"] if s.kernels_compiled else []
+        warm += [f"{s.kernels_loaded} kernels loaded from the cache"] if s.kernels_loaded else []
+        warm += [f"the first {WARM_STEPS} decode steps"] if s.decode_steps and s.generated_tokens - 1 > WARM_STEPS else []
+        click.echo(f"load: {s.load_seconds:.2f} s, warm-up: {s.warmup_seconds:.2f} s" + (f" ({', '.join(warm)})"
                    if warm else ""), err=True)
         click.echo(f"prompt tokens: {s.prompt_tokens}, prefill: {s.prefill_tok_s:.1f} tok/s, "
                    f"generated: {s.generated_tokens}, decode: {s.decode_tok_s:.1f} tok/s over {s.decode_steps} steps "
@@ -167,7 +168,7 @@ def serve(host, port, conversation_cache_mib, conversation_fault, **engine_kw):
         raise click.BadParameter(f"{port} is not a port number", param_hint="--port")
     sock = listen(host, port)  # before loading: a taken port is said at once
     eng = load_engine(**engine_kw)
-    eng.warm_up(eng.prompt_ids("Hello"))  # compile on a GPU now, not in the first request
+    eng.warm_up(eng.prompt_ids("Hello"))  # make the kernels on a GPU now, not in the first request
     model_id = Path(eng.model.path).stem
     app = create_app(eng, model_id, conversation_cache_mib, conversation_fault)
     click.echo(f"serving {model_id} on http://{host}:{sock.getsockname()[1]}/v1 ({eng.kv.describe()}; conversation cache "

@@ -5,6 +5,7 @@ then `decode_one_token` and `sample` until a stop token or the token budget.
 """
 from __future__ import annotations
 
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -15,6 +16,7 @@ import numpy as np
 from ..backend import get_backend
 from ..errors import SettingError, StrataError
 from ..gpu.geometry import SIMULATED
+from ..gpu.kernel_cache import CompileProgress, package_kernels
 from ..kernels.dense.matvec_fused import MAX_ROWS
 from ..kv.cache import KVCache
 from ..kv_layout import BLOCK
@@ -44,15 +46,17 @@ def spec_counts() -> dict:
 @dataclass
 class RunStats:
     """Where a run's time went, phase by phase. The decode rate is the steady one: the
-    first WARM_STEPS steps are counted as warm-up (when the run has more), as is compiling
-    the kernels on their first use in the process (`Engine.warm_up`)."""
+    first WARM_STEPS steps are counted as warm-up (when the run has more), as is making
+    the kernels on their first use in the process (`Engine.warm_up`): compiling them, or
+    loading them from the on-disk cache where an earlier run compiled them."""
 
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens whose cells were already in the cache (a conversation cache hit)
     generated_tokens: int = 0
     load_seconds: float = 0.0  # opening the model and building the engine (Engine.load)
-    warmup_seconds: float = 0.0  # compiling kernels on first use, and the first WARM_STEPS decode steps
-    compiled: bool = False  # this run compiled the kernels (the first run of its settings in the process)
+    warmup_seconds: float = 0.0  # making kernels on first use, and the first WARM_STEPS decode steps
+    kernels_compiled: int = 0  # kernels (one per signature) this run compiled: none were on disk
+    kernels_loaded: int = 0  # kernels this run loaded from the on-disk cache (gpu/kernel_cache.py)
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0  # the steady decode steps
     decode_steps: int = 0  # how many steps decode_seconds times
@@ -143,20 +147,25 @@ class Engine:
         return Engine(settings, self.model, self.be, shared=self, quiet=quiet)
 
     # --8<-- [start:warm_up]
-    _warm: set = set()  # the settings whose kernels this process has compiled
+    _warm: set = set()  # the settings whose kernels this process has made
 
-    def warm_up(self, ids: list[int]) -> bool:
-        """Compile this engine's kernels before a run times anything, the first time these
-        settings run in the process on a GPU: Numba compiles each kernel on its first
-        launch, so afterwards the run's prefill and decode are the kernels' time, not the
-        compiler's. (Under the simulator nothing compiles.) Returns whether it compiled."""
+    def warm_up(self, ids: list[int]) -> tuple[int, int]:
+        """Make this engine's kernels before a run times anything, the first time these
+        settings run in the process on a GPU: Numba makes each kernel on its first launch,
+        loading it from the on-disk cache (gpu/kernel_cache.py) or, the first time on this
+        machine, compiling it, so afterwards the run's prefill and decode are the kernels'
+        time, not the compiler's. (Under the simulator nothing compiles.) Returns
+        (kernels compiled, kernels loaded from the cache)."""
         key = repr(self.settings)
         if self.be.name != "cuda" or SIMULATED or key in Engine._warm:
-            return False
-        print("compiling kernels (first use of these settings in this process)...", file=sys.stderr, flush=True)
-        self.run_scratch(ids)
+            return 0, 0
+        with CompileProgress(package_kernels()) as made:  # a bar on stderr once one compiles
+            self.run_scratch(ids)
         Engine._warm.add(key)
-        return True
+        if made.compiled:
+            print(f"compiled {made.compiled} kernels; later runs load them from {os.environ['NUMBA_CACHE_DIR']}",
+                  file=sys.stderr, flush=True)
+        return made.compiled, made.loaded
 
     def run_scratch(self, ids: list[int]):
         """Launch every kernel a run of these settings launches, on a scratch engine (the
@@ -329,7 +338,7 @@ class Engine:
         rng = np.random.default_rng(s.seed)
         stats = self.last_stats = RunStats(prompt_tokens=len(ids), cached_tokens=cached, load_seconds=self.load_seconds)
         t0 = time.perf_counter()
-        stats.compiled = self.warm_up(ids)
+        stats.kernels_compiled, stats.kernels_loaded = self.warm_up(ids)
         stats.warmup_seconds = time.perf_counter() - t0
         experts = self.weights.experts
         experts_before = experts.stats() if experts is not None else None
