@@ -34,7 +34,7 @@ def test_run_reads_stdin_and_prints_stats(tiny_model, capsys, monkeypatch):
 @pytest.mark.parametrize("made, says", [((3, 5), "(3 kernels compiled, 5 kernels loaded from the cache"),
                                          ((0, 7), "(7 kernels loaded from the cache")])
 def test_stats_say_which_kernels_were_compiled_and_which_loaded(made, says, tiny_model, capsys, monkeypatch):
-    """On a GPU the warm-up makes the kernels (gpu/kernel_cache.py); a run that loaded them
+    """On a GPU the warm-up makes the kernels (src/strata_nb/kernel_cache.py); a run that loaded them
     all from the cache does not claim it compiled. Its counts stand in for a GPU's here."""
     from strata_nb import Engine
 

@@ -1,4 +1,4 @@
-"""The on-disk kernel cache (gpu/kernel_cache.py), without a GPU: every kernel is declared
+"""The on-disk kernel cache (src/strata_nb/kernel_cache.py), without a GPU: every kernel is declared
 cacheable, the cache folder reaches Numba however the imports are ordered, the folder
 changes with the source, the counts see every kernel, and the first run's bar shows only
 when a kernel compiles. That a second process on a GPU loads instead of compiling is
@@ -12,7 +12,7 @@ from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
 
-from strata_nb.gpu.kernel_cache import CompileProgress, forget_older_versions, kernel_counts, source_key
+from strata_nb.kernel_cache import CompileProgress, forget_older_versions, kernel_counts, source_key
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "src" / "strata_nb"
@@ -142,7 +142,7 @@ def test_the_counts_see_every_kernel():
     script = textwrap.dedent("""
         import importlib, pkgutil
         import strata_nb.kernels
-        from strata_nb.gpu.kernel_cache import kernel_counts, package_kernels
+        from strata_nb.kernel_cache import kernel_counts, package_kernels
         for m in pkgutil.walk_packages(strata_nb.kernels.__path__, "strata_nb.kernels."):
             importlib.import_module(m.name)
         kernels = package_kernels()

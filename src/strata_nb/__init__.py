@@ -1,7 +1,7 @@
 """strata-nb: a teaching-grade LLM inference engine with quantized, streamed KV."""
-from .gpu.kernel_cache import use_kernel_cache
+from .kernel_cache import use_kernel_cache
 
-use_kernel_cache()  # before any kernel is defined: Numba's cache folder is read then (gpu/kernel_cache.py)
+use_kernel_cache()  # before any kernel is defined: Numba's cache folder is read then (kernel_cache.py)
 
 from .engine.engine import Engine  # noqa: E402
 from .errors import StrataError  # noqa: E402

@@ -16,7 +16,7 @@ import numpy as np
 from ..backend import get_backend
 from ..errors import SettingError, StrataError
 from ..gpu.geometry import SIMULATED
-from ..gpu.kernel_cache import CompileProgress, package_kernels
+from ..kernel_cache import CompileProgress, package_kernels
 from ..kernels.dense.matvec_fused import MAX_ROWS
 from ..kv.cache import KVCache
 from ..kv_layout import BLOCK
@@ -56,7 +56,7 @@ class RunStats:
     load_seconds: float = 0.0  # opening the model and building the engine (Engine.load)
     warmup_seconds: float = 0.0  # making kernels on first use, and the first WARM_STEPS decode steps
     kernels_compiled: int = 0  # kernels (one per signature) this run compiled: none were on disk
-    kernels_loaded: int = 0  # kernels this run loaded from the on-disk cache (gpu/kernel_cache.py)
+    kernels_loaded: int = 0  # kernels this run loaded from the on-disk cache (kernel_cache.py)
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0  # the steady decode steps
     decode_steps: int = 0  # how many steps decode_seconds times
@@ -152,7 +152,7 @@ class Engine:
     def warm_up(self, ids: list[int]) -> tuple[int, int]:
         """Make this engine's kernels before a run times anything, the first time these
         settings run in the process on a GPU: Numba makes each kernel on its first launch,
-        loading it from the on-disk cache (gpu/kernel_cache.py) or, the first time on this
+        loading it from the on-disk cache (kernel_cache.py) or, the first time on this
         machine, compiling it, so afterwards the run's prefill and decode are the kernels'
         time, not the compiler's. (Under the simulator nothing compiles.) Returns
         (kernels compiled, kernels loaded from the cache)."""

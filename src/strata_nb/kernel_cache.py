@@ -26,7 +26,7 @@ import sys
 import threading
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1]  # src/strata_nb
+PACKAGE = Path(__file__).resolve().parent  # src/strata_nb
 KEEP = 3  # source versions whose kernels stay on disk: the current one and two before it
 
 
@@ -41,7 +41,7 @@ def source_key(package: Path = PACKAGE) -> str:
 
 def kernel_cache_root() -> Path:
     """$STRATA_NB_HOME/kernels: one folder per source version."""
-    from ..model.fetch import cache_dir
+    from .model.fetch import cache_dir
 
     return cache_dir() / "kernels"
 
