@@ -8,13 +8,7 @@ import pytest
 from strata_nb.bench.check import GAP_TOL, LAYER0_TOL, check_tokens, reference_spread
 from strata_nb.bench.report import table, write
 from strata_nb.cli import main
-
-
-def run_cli(argv, capsys):
-    with pytest.raises(SystemExit) as exit_:
-        main(argv)
-    out = capsys.readouterr()
-    return exit_.value.code, out.out, out.err
+from cli_runner import run_cli
 
 
 def bench_argv(model, out, *more):

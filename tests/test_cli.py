@@ -5,18 +5,10 @@ import json
 
 import pytest
 
-from strata_nb.cli import cli, main
+from strata_nb.cli import cli
 from strata_nb.errors import StrataError
 from strata_nb.settings import SamplingSettings, Settings
-
-
-def run_cli(argv, capsys, stdin=None, monkeypatch=None):
-    if stdin is not None:
-        monkeypatch.setattr("sys.stdin", io.StringIO(stdin))
-    with pytest.raises(SystemExit) as exit_:
-        main(argv)
-    out = capsys.readouterr()
-    return exit_.value.code, out.out, out.err
+from cli_runner import run_cli
 
 
 def test_run_streams_text(tiny_model, capsys):

@@ -11,7 +11,7 @@ import pytest
 
 from strata_nb.bench.llama import KV_TYPES, llama_rows, ratios
 from strata_nb.bench.report import llama_table, table
-from strata_nb.cli import main
+from cli_runner import run_cli
 
 FAKE = '''#!{python}
 import json, sys
@@ -75,13 +75,6 @@ def test_ratios_are_ours_over_llama_cpp_s_for_the_resident_rows():
     result = {"rows": ours, "llama": llama}
     assert ratios(result) == [dict(fmt="fp16", depth=64, peer="llama.cpp K f16 V f16", prefill=0.5, decode=2.0)]
     assert "| fp16 | 64 | llama.cpp K f16 V f16 | 0.50 | 2.00 |" in llama_table(result)
-
-
-def run_cli(argv, capsys):
-    with pytest.raises(SystemExit) as exit_:
-        main(argv)
-    out = capsys.readouterr()
-    return exit_.value.code, out.out, out.err
 
 
 def test_bench_runs_llama_bench_beside_its_rows(tiny_model, tmp_path, capsys):

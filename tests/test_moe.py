@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 
 from strata_nb import Engine
-from strata_nb.cli import main
 from strata_nb.errors import SettingError, StrataError
 from strata_nb.kernels.experts.moe import moe_route_ref
 from strata_nb.model.dequant import dequantize
 from strata_nb.model.gguf_file import GGUFModel
 from strata_nb.model.moefy import moefy
 from strata_nb.model.synthetic import write_synthetic_gguf
+from cli_runner import run_cli
 
 PROMPT = [5, 77, 130, 42, 9, 201, 66, 18]
 REL = 1e-4  # of the largest logit: see the module docstring
@@ -154,13 +154,6 @@ def test_copies_copy_every_dense_row(dense, tmp_path):
     for w, rows, cols in (("gate", 256, 128), ("down", 128, 256)):
         for expert in moe.experts(f"blk.0.ffn_{w}_exps.weight", 4, rows, cols):
             assert np.array_equal(expert.raw, src.tensor(f"blk.0.ffn_{w}.weight").raw)
-
-
-def run_cli(argv, capsys):
-    with pytest.raises(SystemExit) as exit_:
-        main(argv)
-    out = capsys.readouterr()
-    return exit_.value.code, out.out, out.err
 
 
 def test_cli_writes_the_file(dense, tmp_path, capsys):

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from strata_nb import needle
-from strata_nb.cli import main
 from strata_nb.errors import StrataError
 from strata_nb.needle_text import Fact, fact, filler, sentences
+from cli_runner import run_cli
 
 
 def words(text: str) -> int:
@@ -127,13 +127,6 @@ def test_heatmap_without_matplotlib_says_how_to_get_it(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
     with pytest.raises(StrataError, match=r"pip install 'strata-nb\[bench\]'"):
         needle.heatmap({}, tmp_path / "needle.png")
-
-
-def run_cli(argv, capsys):
-    with pytest.raises(SystemExit) as exit_:
-        main(argv)
-    out = capsys.readouterr()
-    return exit_.value.code, out.out, out.err
 
 
 @pytest.mark.parametrize("argv, message", [

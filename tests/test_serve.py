@@ -11,9 +11,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from strata_nb import Engine
-from strata_nb.cli import main
 from strata_nb.serve.app import Running, create_app
 from strata_nb.serve.worker import StopText
+from cli_runner import run_cli
 from serve_client import chat, events, get, post
 
 CHUNK = 16
@@ -162,9 +162,8 @@ def test_a_bad_request_gets_a_clear_4xx_and_the_server_goes_on(server, body, sta
 
 def test_serve_flags_are_checked(tiny_model, capsys):
     def run(argv):
-        with pytest.raises(SystemExit) as exit_:
-            main(["serve", "--model", tiny_model, "--device", "cpu", *argv])
-        return exit_.value.code, capsys.readouterr().err
+        code, _, err = run_cli(["serve", "--model", tiny_model, "--device", "cpu", *argv], capsys)
+        return code, err
 
     code, err = run(["--port", "70000"])
     assert code == 2 and "not a port number" in err
