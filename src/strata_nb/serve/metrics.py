@@ -12,6 +12,8 @@ def prometheus(t: Totals, queue_depth: int, requests_by_status: dict) -> str:
         ("requests_served_total", "counter", "requests the engine ran (cancelled ones included)", [("", t.requests)]),
         ("requests_cancelled_total", "counter", "requests whose client left before the reply ended",
          [("", t.cancelled)]),
+        ("requests_failed_total", "counter", "requests the engine failed on (a bug: the reply is a server error)",
+         [("", t.failed)]),
         ("prompt_tokens_total", "counter", "prompt tokens of the requests served", [("", t.prompt_tokens)]),
         ("cached_tokens_total", "counter", "prompt tokens restored from the conversation cache, not run",
          [("", t.cached_tokens)]),
