@@ -1,10 +1,12 @@
 """Open a GGUF file, check it is a model strata-nb can run, and read its facts and tensors.
 
-Parsing is gguf-py's (`gguf.GGUFReader`, a memory map); this module turns its fields into a
-`ModelConfig` and every failure a user can cause into one clear `StrataError`.
+Parsing is gguf-py's (`gguf.GGUFReader`, a memory map), but for the metadata's arrays;
+this module turns the fields into a `ModelConfig` and every failure a user can cause into
+one clear `StrataError`.
 """
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,12 +69,22 @@ def _field(reader, key: str, default=None, required=True):
     return f.contents()
 
 
+class _ArrayField(gguf.ReaderField):
+    """A metadata array read in one pass: parts[-1] holds its values, a list of str or one
+    (n,) ndarray view of the memory map. contents() answers as gguf-py's ReaderField does."""
+
+    def contents(self, index_or_slice: int | slice = slice(None)):
+        picked = self.parts[-1][index_or_slice]
+        return picked.tolist() if isinstance(picked, (np.ndarray, np.generic)) else picked
+
+
 class _Reader(gguf.GGUFReader):
-    """gguf-py's reader, changed in two ways. It reads through a plain ndarray view of the
-    memory map: slicing an np.memmap runs Python code for each slice, and the metadata's
-    ~100,000 vocabulary strings and merges are a few slices each, so the header reads about
-    4x faster. And it checks that every tensor's bytes lie inside the file before numpy
-    slices them: a download cut short would otherwise end in numpy's reshape error."""
+    """gguf-py's reader, changed in three ways. It reads through a plain ndarray view of
+    the memory map: slicing an np.memmap runs Python code for each slice. It reads a
+    metadata array in one pass (`_flat_array`): gguf-py makes a few numpy views for every
+    element, and the vocabulary and merges are ~100,000 strings, most of a model's load
+    time. And it checks that every tensor's bytes lie inside the file before numpy slices
+    them: a download cut short would otherwise end in numpy's reshape error."""
 
     def __init__(self, path: Path):
         self.path = path
@@ -85,6 +97,54 @@ class _Reader(gguf.GGUFReader):
     @data.setter
     def data(self, mapped: np.memmap):  # gguf-py's __init__ sets it first
         self._mapped = mapped.view(np.ndarray)
+
+    def _build_fields(self, offs: int, count: int) -> int:
+        """gguf-py's loop over the key/value pairs, with arrays of strings or numbers read
+        by _flat_array; scalars, strings and arrays of arrays go through gguf-py's parts."""
+        for _ in range(count):
+            start = offs
+            klen, kdata = self._get_str(offs)
+            offs += int(klen.nbytes + kdata.nbytes)
+            raw_type = self._get(offs, np.uint32)
+            offs += int(raw_type.nbytes)
+            head = [klen, kdata, raw_type]
+            name = str(bytes(kdata), encoding="utf-8")
+            if raw_type[0] == gguf.GGUFValueType.ARRAY and self._get(offs, np.uint32)[0] != gguf.GGUFValueType.ARRAY:
+                size, parts, types = self._flat_array(offs)
+                field = _ArrayField(start, name, head + parts, [len(head) + len(parts) - 1], types)
+            else:
+                size, parts, idxs, types = self._get_field_parts(offs, raw_type[0])
+                field = gguf.ReaderField(start, name, head + parts, [i + len(head) for i in idxs], types)
+            self._push_field(field, skip_sum=True)
+            offs += size
+        return offs
+
+    # --8<-- [start:flat_array]
+    def _flat_array(self, offs: int) -> tuple[int, list, list]:
+        """The array at offs: (its size in bytes, [item type, count, values], its types).
+        Numbers are one view of the memory map; strings (each a u64 length, then its UTF-8
+        bytes) are walked once with struct, one decode each. A file cut short inside the
+        array raises IndexError or ValueError, as gguf-py's own reads do."""
+        item_type, count = self._get(offs, np.uint32), self._get(offs + 4, np.uint64)
+        kind, n, at = gguf.GGUFValueType(int(item_type[0])), int(count[0]), offs + 12
+        if kind == gguf.GGUFValueType.STRING:
+            mapped = memoryview(self.data)
+            length = struct.Struct("<Q" if self.endianess == gguf.GGUFEndian.LITTLE else ">Q").unpack_from
+            values = []
+            try:
+                for _ in range(n):
+                    (size,) = length(mapped, at)
+                    values.append(str(mapped[at + 8:at + 8 + size], "utf-8"))
+                    at += 8 + size
+            except struct.error:  # a length past the end of the file
+                at = len(mapped) + 1
+        else:  # one of gguf-py's scalar types (arrays of arrays do not come here)
+            values = self._get(at, self.gguf_scalar_to_np[kind], n)
+            at += n * values.itemsize
+        if at > len(self.data):
+            raise ValueError(f"the array at byte {offs} runs past the end of the file")
+        return at - offs, [item_type, count, values], [gguf.GGUFValueType.ARRAY, kind]
+    # --8<-- [end:flat_array]
 
     def _build_tensors(self, start_offs, fields):
         size, past = len(self.data), []  # the memory map holds the whole file
