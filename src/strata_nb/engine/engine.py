@@ -170,19 +170,20 @@ class Engine:
     def run_scratch(self, ids: list[int]):
         """Launch every kernel a run of these settings launches, on a scratch engine (the
         same weights, a small cache of its own, so this one's cache is not touched): a
-        prompt chunk of a few of the prompt's tokens, then a few decode steps (or verify
-        windows), the first eager and the next captured, as a run's are."""
+        prompt chunk of a few of the prompt's tokens, then one decode step (or a few verify
+        windows), launched one by one. A captured graph replays the launches an eager step
+        makes, so the scratch engine captures none: its graph would be thrown away, and the
+        run captures its own in its first WARM_STEPS steps, which it counts as warm-up."""
         s = self.settings
         warm = ids[: MAX_ROWS + 2]  # a chunk of more rows than a step or window has: the prompt kernels
         room = len(warm) + 2 * s.spec + WARM_STEPS + 2
         context = -(-max(room, s.kv_resident + 2 * BLOCK) // BLOCK) * BLOCK  # streamed stays streamed
-        scratch = self.derive(quiet=True, max_context=min(s.max_context, context))
+        scratch = self.derive(quiet=True, max_context=min(s.max_context, context), graph=False)
         token = int(np.argmax(scratch.prefill(warm)))
         if s.spec:
             list(scratch.speculate(token, len(warm), WARM_STEPS + 1, warm, spec_counts()))
         else:
-            list(scratch.tokens_after(token, len(warm), WARM_STEPS + 1, SamplingSettings(), None,
-                                      scratch.device_step()))
+            list(scratch.tokens_after(token, len(warm), 1, SamplingSettings(), None, scratch.device_step()))
         self.be.synchronize()
     # --8<-- [end:warm_up]
 

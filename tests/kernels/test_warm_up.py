@@ -1,0 +1,59 @@
+"""The warm-up launches every kernel a run launches (engine/engine.py: Engine.run_scratch),
+with the same signatures: Numba makes a kernel per signature on its first launch, so a
+kernel the warm-up missed would be compiled, or loaded from the kernel cache, inside the
+run's prefill or decode, and --stats would count that time there.
+
+Under the simulator, where a run launches its kernels one by one; on a GPU the decode
+step is a graph of the same launches (backend/cuda_graph.py), which is why the scratch
+engine launches one eager step and captures nothing. The control: a warm-up without its
+decode step misses the step's own kernels."""
+import pytest
+
+from strata_nb.backend.cuda_backend import CudaBackend
+from strata_nb.engine.engine import Engine
+from strata_nb.gpu.sm90 import record_launches
+from strata_nb.kernels.dense.matvec_fused import MAX_ROWS
+from strata_nb.model.gguf_file import GGUFModel
+from strata_nb.settings import SamplingSettings, Settings
+
+pytestmark = pytest.mark.sim_engine  # a prompt chunk and decode steps under the simulator: a minute on a CPU
+
+PROMPT = [3 + ord(c) for c in "a prompt, 12"]  # more rows than a window has: the prompt kernels
+
+
+def launched(action) -> set:
+    """The (kernel, signature) pairs `action()` launches."""
+    from numba.cuda.simulator import kernel as sim
+
+    found: dict = {}
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(sim.FakeCUDAKernel, "__call__", sim.FakeCUDAKernel.__call__)  # put back afterwards
+        record_launches(found)
+        action()
+    return {(kernel, sig) for kernel, sigs in found.items() for sig in sigs}
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model):
+    settings = Settings(model=tiny_model, kv="fp16", max_context=64, device="cuda")
+    return Engine(settings, GGUFModel(tiny_model), CudaBackend())
+
+
+@pytest.fixture(scope="module")
+def run(engine):
+    """What a run of the prompt launches: its prefill and three decode steps."""
+    return launched(lambda: "".join(engine.generate_ids(PROMPT, SamplingSettings(max_tokens=4))))
+
+
+def test_the_warm_up_launches_every_kernel_a_run_launches(engine, run):
+    assert len(PROMPT) > MAX_ROWS + 2
+    warm = launched(lambda: engine.run_scratch(PROMPT))
+    assert run and run <= warm, sorted(run - warm)
+
+
+def test_a_warm_up_without_its_decode_step_misses_kernels(engine, run, monkeypatch):
+    """The negative control: with the scratch engine's decode step left out, the run
+    launches kernels the warm-up did not: the step's advance among them."""
+    monkeypatch.setattr(Engine, "tokens_after", lambda *args: iter(()))
+    warm = launched(lambda: engine.run_scratch(PROMPT))
+    assert "advance_step_kernel" in {kernel[1] for kernel, _ in run - warm}
