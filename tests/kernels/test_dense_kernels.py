@@ -14,7 +14,7 @@ from conftest import ON_GPU
 from strata_nb.backend.numpy_backend import NumpyBackend
 from strata_nb.kernels.step.argmax import SPAN as ARGMAX_SPAN, THREADS as ARGMAX_THREADS, argmax, argmax_ref
 from strata_nb.kernels.dense.embed import embed, embed_ref
-from strata_nb.kernels.dense.matmul import matmul, matmul_ref
+from strata_nb.kernels.dense.matmul import W_TILE_ROWS, X_TILE_ROWS, matmul, matmul1, matmul_ref
 from strata_nb.kernels.dense.matvec import dot_tolerance, fused_tolerance, matvec, matvec1, matvec_grid, matvec_ref
 from strata_nb.kernels.dense.matvec_fused import AHEAD, SECTOR, read_ahead_ref
 from strata_nb.gpu.reduce import warp_max, warp_sum
@@ -31,12 +31,16 @@ MATVEC_SHAPES = [(1536, 576), (576, 1536), (49152, 576)] if ON_GPU else [(37, 96
 # Every type at 1 row of x; 3 and 8 rows (8 fills `acc`) for Q4_1, the default model's
 # type, under the simulator, where each row of W costs ~2 ms a row of x.
 MATVEC_CASES = [(q, n) for q in QTYPES for n in ((1, 3, 8) if ON_GPU or q == "Q4_1" else (1,))]
-# (qtype, rows of x, (out, in)): one tile with a partial 128-value step; two tiles of W
-# and two steps; two tiles of x. On a GPU, the default model's shapes.
-MATMUL_CASES = ([(q, n, (1536, 576)) for q in QTYPES for n in (11, 300)] + [("Q4_1", 257, (576, 1536))]
+# (qtype, rows of x, (out, in)). The fast kernel's tile is 128 rows of W x 64 rows of x on
+# a GPU, 8 x 16 under the simulator, and every case cuts a last tile short. Under the
+# simulator: every type with 29 rows of W (4 tiles, the last of 5 rows) and 11 of x (one
+# tile, cut); 5 tiles of W, 2 of x and 5 quantization blocks; 3 and 5 tiles of x; fewer
+# rows of W than a tile holds. On a GPU, every type on 1000 rows of W (the last tile of
+# 104) at 11 and 300 rows of x, and down's shape (576 x 1536: 4.5 tiles) at 257.
+MATMUL_CASES = ([(q, n, (1000, 576)) for q in QTYPES for n in (11, 300)] + [("Q4_1", 257, (576, 1536))]
                 if ON_GPU else
                 [(q, 11, (29, 96)) for q in QTYPES] + [("Q4_1", 20, (37, 160)), ("Q8_0", 33, (29, 96)),
-                                                        ("Q4_0", 70, (67, 64))])  # tiles cut at both edges
+                                                        ("Q4_0", 70, (67, 64)), ("F16", 5, (3, 32))])
 N_ROWS = 67 if ON_GPU else 3  # activation rows for the elementwise kernels
 D = 576 if ON_GPU else 100  # hidden size: 100 is not a multiple of the warp
 
@@ -264,6 +268,7 @@ def test_rope_epilogue_equals_matvec_then_rope_bit_for_bit(n, warps):
 
 @pytest.mark.parametrize("qtype, n, shape", MATMUL_CASES)
 def test_matmul_matches_ref(qtype, n, shape):
+    assert n % X_TILE_ROWS or shape[0] % W_TILE_ROWS, "a case that fills its last tiles tests no edge"
     rng = np.random.default_rng(n)
     raw = quantized(rng, qtype, shape)
     x = rng.standard_normal((n, shape[1])).astype(np.float32)
@@ -271,6 +276,42 @@ def test_matmul_matches_ref(qtype, n, shape):
     matmul_ref(x, raw, qtype, want)
     matmul(x, raw, qtype, got)
     assert_within(got, want, dot_tolerance(x, dequantize(raw, qtype)))
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_plain_matmul_matches_ref(qtype):
+    """The plain kernel (4 x 4 outputs a thread, one value at a time from shared memory),
+    kept beside the fast one, on the first case's shape: the same tolerance, and the fast
+    kernel's outputs bit for bit (both add each output's products in order of k)."""
+    _, n, shape = MATMUL_CASES[0]
+    rng = np.random.default_rng(6)
+    raw = quantized(rng, qtype, shape)
+    x = rng.standard_normal((n, shape[1])).astype(np.float32)
+    want = np.zeros((n, shape[0]), np.float32)
+    got, fast = (np.full((n, shape[0]), np.nan, np.float32) for _ in range(2))
+    matmul_ref(x, raw, qtype, want)
+    matmul1(x, raw, qtype, got)
+    assert_within(got, want, dot_tolerance(x, dequantize(raw, qtype)))
+    matmul(x, raw, qtype, fast)
+    assert got.tobytes() == fast.tobytes()
+
+
+def test_matmul_tolerance_catches_one_wrong_scale():
+    """Negative control: one quantization block's scale zeroed in the kernel's copy of W
+    (the last tile's last row, block 1) moves 32 products of one output column, and the
+    test's tolerance sees it."""
+    qtype, n, shape = "Q4_1", 20, MATMUL_CASES[-2][2]
+    rng = np.random.default_rng(7)
+    raw = quantized(rng, qtype, shape)
+    x = rng.standard_normal((n, shape[1])).astype(np.float32)
+    want, got = np.zeros((n, shape[0]), np.float32), np.full((n, shape[0]), np.nan, np.float32)
+    matmul_ref(x, raw, qtype, want)
+    broken = raw.copy()
+    broken[-1, 20:22] = 0  # block 1's fp16 d (Q4_1 blocks are d, m, 16 code bytes)
+    matmul(x, broken, qtype, got)
+    bound = dot_tolerance(x, dequantize(raw, qtype))
+    assert not within(got, want, bound)
+    assert within(got[:, :-1], want[:, :-1], bound[:, :-1])  # every other column is still right
 
 
 # ---- the elementwise and row ops -----------------------------------------------------------

@@ -23,8 +23,13 @@ def on_gpu(gpu, simulator):
 # matvec: warps per thread block and thread blocks per launch; rows are grid-strided
 MATVEC_MAX_WARPS = on_gpu(8, simulator=1)
 MATVEC_MAX_BLOCKS = on_gpu(16 * 132, simulator=1)
-MATMUL_TILE = on_gpu(64, simulator=16)  # rows of W and rows of x per thread block
-MATMUL_SIDE = on_gpu(16, simulator=8)  # the thread block is SIDE x SIDE threads
+MATMUL_TILE = on_gpu(64, simulator=16)  # the plain matmul: rows of W and rows of x per thread block
+MATMUL_SIDE = on_gpu(16, simulator=8)  # the plain matmul's block is SIDE x SIDE threads
+MATMUL_W_THREADS = on_gpu(32, simulator=2)  # the fast matmul's threads along W's rows (4 rows each)
+MATMUL_X_THREADS = on_gpu(8, simulator=2)  # and along x's rows (8 rows each)
+# shared tiles read 4 floats at a time: aligned to 16 bytes, or the compiler loads them one
+# by one (the simulator refuses an alignment, and needs none)
+VECTOR_ALIGN = on_gpu(16, simulator=None)
 RMSNORM_THREADS = on_gpu(128, simulator=32)  # threads per row
 
 # ---- experts: kernels/experts/ ---------------------------------------------------------
