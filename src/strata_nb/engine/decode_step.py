@@ -144,6 +144,7 @@ class DeviceStep:
         else:
             self.logits = self.launch()
             on = stream()
+        self.kv.device_pass_queued()
         done = cuda.event()
         done.record(on)
         return done

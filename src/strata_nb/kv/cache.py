@@ -119,9 +119,9 @@ class KVCache:
         on_device = not isinstance(positions, np.ndarray)  # a replayed decode step
         stage = None
         if self.streamed and on_device:
-            if layer == 0:  # the step's first append moves every layer's ring, on the device
-                self.be.op(map_ring_ref, map_ring)(pos, *self.maps, self.plan.n_ring)
-            self._device_newer = True
+            if layer == 0:  # the pass's first append moves every layer's ring, on the device, onto
+                # its last cell's block: a window of T <= BLOCK cells enters a new block at its first cell
+                self.be.op(map_ring_ref, map_ring)(pos[len(pos) - 1:], *self.maps, self.plan.n_ring)
         elif self.streamed:
             self.sync_from_device()
             first, last = int(positions[0]), int(positions[-1])
@@ -165,8 +165,6 @@ class KVCache:
         if not isinstance(positions, np.ndarray):  # positions in device memory: a replayable step
             assert self.step is not None and not prompt, "device positions are for a decode step on the cuda backend"
             blocks, src = self.step.select(L, q, positions), L  # misses are read in place
-            if not self.step.dense_resident:
-                self._device_newer = True  # the step counted its lookups on the device
         elif prompt:  # a prompt chunk reads every earlier cell: the pool, or the stage when streaming
             # blocks 0..last as one row every query shares, a view of a device array made once
             blocks = shared_blocks_upto(positions, self._block_row)
@@ -232,6 +230,14 @@ class KVCache:
             self._move(L.host, L.pool, refill)
             self._counters.refills += len(refill)
             self.upload_table(L)
+
+    def device_pass_queued(self):
+        """Told by whoever queues a pass with device positions (a decode step, a verify
+        window), launched or replayed from a graph: it may move the ring and count lookups
+        on the device, so the next host decision syncs first. A replay runs no Python, so
+        the launches themselves cannot say so."""
+        if not self.step.dense_resident:
+            self._device_newer = True
 
     def sync_from_device(self):
         """After replayed steps: the host's maps take the device's (the ring moved there) and
