@@ -28,9 +28,10 @@ QTYPES = ["Q4_0", "Q4_1", "Q8_0", "F32", "F16"]
 # (out, in) of W: the default model's FFN and output head on a GPU; under the simulator
 # 37 rows (not a multiple of the 4 rows a warp takes) of 3 quantization blocks.
 MATVEC_SHAPES = [(1536, 576), (576, 1536), (49152, 576)] if ON_GPU else [(37, 96)]
-# Every type at 1 row of x; 3 and 8 rows (8 fills `acc`) for Q4_1, the default model's
-# type, under the simulator, where each row of W costs ~2 ms a row of x.
-MATVEC_CASES = [(q, n) for q in QTYPES for n in ((1, 3, 8) if ON_GPU or q == "Q4_1" else (1,))]
+# Every type at 1 row of x; 2, 3 and 8 rows for Q4_1, the default model's type, under the
+# simulator, where each row of W costs ~2 ms a row of x: 2 rows a thread block (ROW_GROUP),
+# so 3 leaves the second group's second row empty and 8 takes 4 groups.
+MATVEC_CASES = [(q, n) for q in QTYPES for n in ((1, 2, 3, 8) if ON_GPU or q == "Q4_1" else (1,))]
 # (qtype, rows of x, (out, in)). The fast kernel's tile is 128 rows of W x 64 rows of x on
 # a GPU, 8 x 16 under the simulator, and every case cuts a last tile short. Under the
 # simulator: every type with 29 rows of W (4 tiles, the last of 5 rows) and 11 of x (one

@@ -48,7 +48,7 @@ from strata_nb.gpu.geometry import MATVEC_MAX_BLOCKS, MATVEC_MAX_WARPS
 from strata_nb.gpu.launch import DeviceArgs, absent, expect, stream
 from strata_nb.gpu.reduce import WARP, warp_sum
 from strata_nb.kernels.dense.gguf_rows import PART, PARTS, QK, QTYPES, part_runs, row_bytes, weight_views
-from strata_nb.kernels.dense.matvec_fused import MATVEC_KERNELS, MAX_ROWS, ROWS, SUM_WARPS
+from strata_nb.kernels.dense.matvec_fused import MATVEC_KERNELS, MAX_ROWS, ROW_GROUP, ROWS, SUM_WARPS
 from strata_nb.kernels.dense.rmsnorm import rmsnorm_ref
 from strata_nb.kernels.dense.rope import rope_qkv_ref
 from strata_nb.kernels.dense.swiglu import swiglu_ref
@@ -230,7 +230,8 @@ def matvec(x, raw, qtype, y, norm=None, eps=0.0, swiglu=False, add=False, rope=N
         return
     prologue = "normed" if norm is not None else ("gated" if swiglu else "plain")
     blocks, threads = matvec_grid(n_out, n_in, warps)
-    x_rows = 1 if n == 1 else MAX_ROWS
+    x_rows = 1 if n == 1 else ROW_GROUP  # rows of x a thread block takes; the next rows, the next blocks in y
+    groups = -(-n // x_rows)
     assert ROWS * x_rows <= threads, "a thread per output stores the sums"
     epilogue = "add" if add else ("store" if rope is None else ("rope" if append is None else "rope_append"))
     with DeviceArgs() as dev:
@@ -258,6 +259,6 @@ def matvec(x, raw, qtype, y, norm=None, eps=0.0, swiglu=False, add=False, rope=N
             cell = (dev.read(kv_pos), dev.read(page_table), dev.write(pool_k), dev.write(pool_v), dev.write(host_k),
                     dev.write(host_v))
         kernel = MATVEC_KERNELS[qtype, prologue, epilogue, x_rows]
-        kernel[blocks, threads, stream()](
+        kernel[(blocks, groups), threads, stream()](
             x, norm, np.float32(eps), np.int32(n_in), a, b, dev.write(y),  # y is read too, with add
             *angles, np.int32(rope_rows), np.int32(hd), ahead, ahead_out, np.int32(report), *cell)

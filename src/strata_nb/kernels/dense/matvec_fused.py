@@ -5,7 +5,7 @@ weights, so each fusion either saves a launch (its fixed cost and its own trip t
 memory) or keeps the weight loads from waiting.
 
 `make_matvec_kernel` builds one kernel per weight type (its dequantizer, gguf_rows.py),
-prologue, epilogue and row count of x: MATVEC_KERNELS, 5 x 3 x 4 x 2 of them, each
+prologue, epilogue and rows of x a block (1 or 2): MATVEC_KERNELS, 5 x 3 x 4 x 2 of them, each
 compiled the first time it is launched. matvec.py's launcher `matvec` picks one,
 `matvec_ref` is their spec and `fused_tolerance` their tolerance.
 
@@ -14,8 +14,14 @@ What each fusion buys:
 - rows of W per thread block: a thread block works on ROWS = 4 rows of W at once and
   its warps split each row's parts between them, so every thread has one or two parts
   per row and its loads of all 4 rows are in flight together, each value of x it loads
-  serving 4 weights; a 1-row step compiles its own kernel (4 sums a thread, not 32),
-  whose smaller register count fits more warps on an SM;
+  serving 4 weights;
+- rows of x per thread block: a thread keeps a sum for each (row of W, row of x) in
+  registers, so a thread block takes at most ROW_GROUP = 2 rows of x, and a verify
+  window's further rows go to more thread blocks (the grid's y), which read the same
+  weights again, from L2. A decode step's kernel (1 row) holds 4 sums a thread, a
+  window's 8; the fewer registers a thread needs, the more warps fit on an SM to hide
+  the memory's latency. (Of 1, 2, 4 and 8 rows a block, 2 was the fastest on the H200
+  for windows of 4 and 8: CHANGELOG.md, 2026-12-03.)
 - a *prologue* decides what it multiplies: x, rmsnorm(x) or swiglu(gate|up) (the forward
   pass's `normed_matmul`, `gated_matmul_add_`), so no norm or gate launch precedes it;
 - an *epilogue* stores y, adds it to the residual (`matmul_add_`), or stores q|k|v with
@@ -63,6 +69,7 @@ from strata_nb.kernels.kv.kv_append_fp16 import cell_home, store_cell
 from strata_nb.kernels.kv.quant_q4_0 import mul_rn
 
 MAX_ROWS = 8  # activation rows per call: a decode step (1) or a verify window (<= 8)
+ROW_GROUP = 2  # rows of x a thread block multiplies at most; more go to more thread blocks (grid y)
 ROWS = 4  # rows of W a thread block works through together
 SUM_WARPS = 8  # rows of the shared array the warps' sums meet in
 SECTOR = 32  # bytes: what L2 caches from HBM at a time
@@ -167,8 +174,8 @@ def no_append(o, u0, u1, rope_rows, hd, n_out, home, k, v, host_k, host_v):
 # --8<-- [start:matvec_kernel]
 def make_matvec_kernel(part, nibbles, load_x, store_y, normed, x_rows, rows, rope=False, append_pair=None):
     """The kernel for one weight type (its dequantizer), one prologue and one epilogue,
-    for up to x_rows rows of x (1: a decode step; MAX_ROWS: a verify window), `rows` rows
-    of W per thread block. The sizes are compile-time constants so the per-thread arrays
+    for up to x_rows rows of x a thread block (1: a decode step; ROW_GROUP: a verify
+    window, a group of its rows in each blockIdx.y), `rows` rows of W per thread block. The sizes are compile-time constants so the per-thread arrays
     stay in registers: a 1-row step's kernel holds 4 sums, not 32, and fits more warps on
     an SM to hide the memory's latency. With `rope` the epilogue is y_rope_pair: one
     thread stores each pair of outputs (rows is even, so a pair never straddles blocks);
@@ -203,6 +210,7 @@ def make_matvec_kernel(part, nibbles, load_x, store_y, normed, x_rows, rows, rop
         lane, warp = t % WARP, t // WARP
         # --8<-- [end:matvec_rows]
         n, n_out = x.shape[0], y.shape[1]
+        r0 = cuda.blockIdx.y * x_rows  # this block's rows of x: r0 .. r0 + x_rows - 1 (row groups)
         n_parts = n_in // PART
         w = cuda.local.array((rows, PART), float32)  # one part of each of the block's rows
         xs = cuda.local.array(PART, float32)  # the 8 values of a row of x that part multiplies
@@ -259,15 +267,15 @@ def make_matvec_kernel(part, nibbles, load_x, store_y, normed, x_rows, rows, rop
                 lo, hi = part_runs(nibbles, p)
                 lo, hi = blk * QK + lo, blk * QK + hi  # the columns of w[:, 0:4] and w[:, 4:8]
                 for r in range(x_rows):
-                    if r < n:
+                    if r0 + r < n:
                         for j in range(4):  # 8 values of x, each used for `rows` weights
-                            xs[j] = load_x(x, norm, r, lo + j, n_in)
-                            xs[4 + j] = load_x(x, norm, r, hi + j, n_in)
+                            xs[j] = load_x(x, norm, r0 + r, lo + j, n_in)
+                            xs[4 + j] = load_x(x, norm, r0 + r, hi + j, n_in)
                         # --8<-- [start:norm_squares]
                         if normed and first_trip:
                             for j in range(4):
-                                squares[r] += x[r, lo + j] * x[r, lo + j]
-                                squares[r] += x[r, hi + j] * x[r, hi + j]
+                                squares[r] += x[r0 + r, lo + j] * x[r0 + r, lo + j]
+                                squares[r] += x[r0 + r, hi + j] * x[r0 + r, hi + j]
                         # --8<-- [end:norm_squares]
                         for k in range(rows):
                             total = acc[k, r]
@@ -286,7 +294,7 @@ def make_matvec_kernel(part, nibbles, load_x, store_y, normed, x_rows, rows, rop
             # --8<-- [start:norm_inv]
             if normed and first_trip:
                 for r in range(x_rows):
-                    if r < n:
+                    if r0 + r < n:
                         total = warp_sum(squares[r])
                         if n_threads == WARP:
                             inv[r] = inv_rms(total, n_in, eps)
@@ -295,7 +303,7 @@ def make_matvec_kernel(part, nibbles, load_x, store_y, normed, x_rows, rows, rop
             # --8<-- [end:norm_inv]
             for k in range(rows):
                 for r in range(x_rows):
-                    if r < n:  # n is the same for every thread, so the reduction stays collective
+                    if r0 + r < n:  # the same for every thread, so the reduction stays collective
                         total = warp_sum(acc[k, r])
                         if normed and n_threads == WARP:
                             total *= inv[r]
@@ -303,15 +311,15 @@ def make_matvec_kernel(part, nibbles, load_x, store_y, normed, x_rows, rows, rop
                             if rope:
                                 acc[k, r] = total  # stored in pairs below
                             elif lane == 0 and o0 + k < n_out:
-                                store_y(y, r, o0 + k, total)
+                                store_y(y, r0 + r, o0 + k, total)
                         elif lane == 0:
                             per_warp[warp, k, r] = total
             # --8<-- [start:rope_store]
             if rope and n_threads == WARP and lane == 0:
                 for k in range(0, rows, 2):
                     for r in range(x_rows):
-                        if r < n and o0 + k < n_out:
-                            u0, u1 = y_rope_pair(y, r, o0 + k, acc[k, r], acc[k + 1, r], cos, sin, rope_rows, hd)
+                        if r0 + r < n and o0 + k < n_out:
+                            u0, u1 = y_rope_pair(y, r0 + r, o0 + k, acc[k, r], acc[k + 1, r], cos, sin, rope_rows, hd)
                             if append:
                                 append_pair(o0 + k, u0, u1, rope_rows, hd, n_out, home, pool_k, pool_v, host_k, host_v)
             # --8<-- [end:rope_store]
@@ -319,32 +327,32 @@ def make_matvec_kernel(part, nibbles, load_x, store_y, normed, x_rows, rows, rop
                 cuda.syncthreads()
                 if normed and first_trip:  # every thread: the warps' squares in warp order
                     for r in range(x_rows):
-                        if r < n:
+                        if r0 + r < n:
                             total = float32(0.0)
                             for v in range(n_threads // WARP):
                                 total += per_warp_squares[v, r]
                             inv[r] = inv_rms(total, n_in, eps)
                 if rope:  # thread t stores outputs (rows k and k + 1 of W, row r of x)
                     k, r = 2 * (t // x_rows), t % x_rows
-                    if k < rows and r < n and o0 + k < n_out:
+                    if k < rows and r0 + r < n and o0 + k < n_out:
                         t0, t1 = float32(0.0), float32(0.0)
                         for v in range(n_threads // WARP):
                             t0 += per_warp[v, k, r]
                             t1 += per_warp[v, k + 1, r]
                         if normed:
                             t0, t1 = t0 * inv[r], t1 * inv[r]
-                        u0, u1 = y_rope_pair(y, r, o0 + k, t0, t1, cos, sin, rope_rows, hd)
+                        u0, u1 = y_rope_pair(y, r0 + r, o0 + k, t0, t1, cos, sin, rope_rows, hd)
                         if append:
                             append_pair(o0 + k, u0, u1, rope_rows, hd, n_out, home, pool_k, pool_v, host_k, host_v)
                 else:
                     k, r = t // x_rows, t % x_rows  # thread t stores output (row k of W, row r of x)
-                    if k < rows and r < n and o0 + k < n_out:
+                    if k < rows and r0 + r < n and o0 + k < n_out:
                         total = float32(0.0)
                         for v in range(n_threads // WARP):
                             total += per_warp[v, k, r]
                         if normed:
                             total *= inv[r]
-                        store_y(y, r, o0 + k, total)
+                        store_y(y, r0 + r, o0 + k, total)
                 cuda.syncthreads()  # per_warp is read before the next trip writes it
             o0 += cuda.gridDim.x * rows
             first_trip = False
@@ -374,7 +382,7 @@ def matvec_kernels(rows: int, store=store_cell) -> dict:
                                                           rope, append_pair if append else None)
             for qtype, (part, _, _, nibbles) in QTYPES.items()
             for pro, (load_x, normed) in PROLOGUES.items()
-            for epi, (store_y, rope, append) in EPILOGUES.items() for x_rows in (1, MAX_ROWS)}
+            for epi, (store_y, rope, append) in EPILOGUES.items() for x_rows in (1, ROW_GROUP)}
 
 
 # Built beside the kernels' code, not in the launcher: gpu/sm90.py finds a recorded kernel
