@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 
 from strata_nb import Engine
-from strata_nb.engine.draft import prompt_lookup
+from strata_nb.engine.draft import Drafter, prompt_lookup
 from strata_nb.errors import SettingError
 from strata_nb.kv.cache import KVCache
 from strata_nb.kv.plan import StreamPlan
@@ -47,6 +47,25 @@ def test_prompt_lookup_takes_the_longest_suffix_seen_before():
     assert prompt_lookup([7, 8, 9, 7], 4, 3) == [8, 9, 7]  # only "7" recurs: what followed it, up to the end
     assert prompt_lookup([5, 5, 5, 5], 2, 3) == [5, 5]  # a run: an occurrence 2 tokens follow, not the overlap
     assert prompt_lookup([1, 2, 3], 3, 3) == [] and prompt_lookup([1], 3, 3) == []
+    assert prompt_lookup([7, 8, 9, 7], 4, 3, min_ngram=2) == []  # "7" alone is too short a match
+    assert prompt_lookup(history, 3, 3, min_ngram=3) == [5, 6, 1]
+
+
+
+def test_the_drafter_s_index_drafts_what_prompt_lookup_does():
+    """Drafter finds prompt_lookup's drafts through an n-gram index as the history grows:
+    random histories over a small alphabet (many repeats), every prefix, every length."""
+    rng = np.random.default_rng(0)
+    for trial in range(40):
+        history = [int(t) for t in rng.integers(0, 2 + trial % 5, size=60)]
+        max_ngram = 1 + trial % 4
+        min_ngram = 1 + trial % max_ngram
+        drafter = Drafter(history[:5], max_ngram, min_ngram)
+        for end in range(5, len(history) + 1):
+            for n_draft in (1, 3, 7):
+                want = prompt_lookup(history[:end], n_draft, max_ngram, min_ngram)
+                assert drafter.draft(n_draft) == want, (trial, end)
+            drafter.extend(history[end:end + 1])
 
 
 @pytest.fixture(scope="module")
@@ -189,19 +208,3 @@ def test_run_stats_print_the_speculation_line(tiny_model, capsys):
     assert exit_.value.code == 2 and err == ["strata-nb: error: --spec must be 0 (off) or a window of 2 .. 8 "
                                              "positions, got 9"]
 
-
-@pytest.mark.sim_engine
-def test_spec_on_the_cuda_backend_is_token_identical(tiny_model):
-    """The verify window through the cuda kernels (the simulator here): the same greedy
-    tokens as the one-token path, and the host copy mirrors VRAM, streamed k8v4 with QSA."""
-    settings = dict(kv="k8v4", kv_resident=StreamPlan.minimum_cells(64), kv_window=64, qsa_budget=64)
-    prompt = list(range(40, 40 + 20))  # 20 byte tokens: every simulated thread is a Python thread
-    runs = []
-    for spec in (0, 4):
-        eng = Engine.load(model=tiny_model, device="cuda", max_context=256, spec=spec, **settings)
-        tokens = []
-        list(eng.generate_ids(prompt, SamplingSettings(max_tokens=8), on_token=tokens.append))
-        runs.append((tokens, eng))
-    (want, _), (got, eng) = runs
-    assert got == want and eng.last_stats.extra["spec"]["passes"] < len(got)
-    assert mirror_mismatches(eng.kv, len(prompt) + len(got) - 1) == 0

@@ -29,8 +29,8 @@ PROMPT = [3 + ord("t")]  # one token: the simulator spends seconds per forward p
 STEPS = 2
 
 
-def engine(tiny_model, kv, **kw):
-    settings = Settings(model=tiny_model, kv=kv, max_context=64, device="cuda", **kw)
+def engine(tiny_model, kv, max_context=64, **kw):
+    settings = Settings(model=tiny_model, kv=kv, max_context=max_context, device="cuda", **kw)
     return Engine(settings, GGUFModel(tiny_model), CudaBackend())
 
 
@@ -116,3 +116,20 @@ def test_capture_keeps_its_allocations_and_refuses_numpy():
             hadamard(np.ones((2, 64), np.float32))
     assert Capture.keep is None and Capture.stream == 0
     np.testing.assert_allclose(out.copy_to_host(), hadamard_ref(np.ones((2, 64), np.float32)), atol=1e-6)
+
+
+@pytest.mark.parametrize("kv, kw, newer", [("k8v4", dict(kv_window=16, kv_resident=80), True),
+                                           ("fp16", dict(qsa_budget=32), True), ("fp16", {}, False)])
+def test_a_queued_pass_marks_the_device_s_maps_newer(tiny_model, kv, kw, newer):
+    """A graph's replay runs none of the launches' Python, so the step and the verify window
+    themselves tell the cache that the device may have moved its ring and counted lookups:
+    the host's next decision must take the device's maps first (KVCache.sync_from_device).
+    A fully resident dense cache makes no decision on the device."""
+    eng = engine(tiny_model, kv, max_context=128, spec=4, **kw)
+    window, step = eng.spec_passes()
+    for queued in (lambda: step._queue().synchronize(), lambda: window.run([5, 6], 0)):
+        step.launch = window.launch = lambda: None  # as a replay: no Python of the launches runs
+        eng.kv.sync_from_device()
+        assert not eng.kv._device_newer
+        queued()
+        assert eng.kv._device_newer == newer

@@ -144,9 +144,10 @@ def run_config(base, cfg: Config, prompt: list[int], runs: int, n_decode: int) -
         elif run_tokens != tokens:  # the same prompt must give the same tokens every run
             raise RuntimeError(f"{cfg}: run tokens differ from the first run's: nondeterministic decode")
     rate = statistics.median(decode_rates)
+    replayed = eng.spec_passes()[0] if cfg.spec else step  # what the timed tokens ran on: a window, or a step
     per_token = weight_bytes(base.weights) + kv_bytes_read(eng, cfg.depth)
     return Row(cfg.fmt, cfg.mode, cfg.depth, statistics.median(prefill_rates), rate, prefill_rates, decode_rates,
-               bool(step is not None and step.use_graph), cfg.depth * token_bytes(cfg.fmt, base.config), per_token,
+               bool(replayed is not None and replayed.use_graph), cfg.depth * token_bytes(cfg.fmt, base.config), per_token,
                per_token * rate / 1e9, eng.kv.counters.hit_rate if eng.kv.streamed else None, tokens,
                _median_run(expert_runs, decode_rates), _median_run(spec_runs, decode_rates),
                repetition_score(tokens), loop_score(tokens)), layer0

@@ -6,19 +6,26 @@ n tokens occurred before, the tokens after that occurrence are a cheap guess at 
 next. The model then checks the guesses in one batched pass (engine.py, `verify`): each
 one it agrees with is a token gained without a step of its own. Longer matches are tried
 first (up to `max_ngram`), and among equal lengths the most recent occurrence.
+
+The engine drafts only from a match of at least MIN_NGRAM tokens. A single repeated token
+(a comma, "the") predicts what follows it poorly: in free prose most of its drafts are
+rejected, and a verify window costs more than the decode step it replaces, so drafting
+from it makes decoding slower where it cannot help.
 """
 from __future__ import annotations
 
+MIN_NGRAM = 2  # the shortest match the engine drafts from
+
 
 # --8<-- [start:prompt_lookup]
-def prompt_lookup(history: list[int], n_draft: int, max_ngram: int) -> list[int]:
+def prompt_lookup(history: list[int], n_draft: int, max_ngram: int, min_ngram: int = 1) -> list[int]:
     """Up to n_draft tokens that followed an earlier occurrence of a suffix of `history`
-    (at most max_ngram tokens): the longest suffix, latest occurrence first, that n_draft
-    tokens follow; failing that, the occurrence followed by the most tokens (the latest
-    occurrences of a repeated run overlap the suffix itself and have few after them);
-    [] when no suffix occurs earlier."""
+    (min_ngram to max_ngram tokens): the longest suffix, latest occurrence first, that
+    n_draft tokens follow; failing that, the occurrence followed by the most tokens (the
+    latest occurrences of a repeated run overlap the suffix itself and have few after
+    them); [] when no such suffix occurs earlier."""
     best = []
-    for n in range(min(max_ngram, len(history) - 1), 0, -1):
+    for n in range(min(max_ngram, len(history) - 1), min_ngram - 1, -1):
         suffix = history[-n:]
         for i in range(len(history) - n - 1, -1, -1):  # starts before the suffix's own, latest first
             if history[i:i + n] == suffix:
@@ -28,3 +35,40 @@ def prompt_lookup(history: list[int], n_draft: int, max_ngram: int) -> list[int]
                 best = max(best, follows, key=len)
     return best
 # --8<-- [end:prompt_lookup]
+
+
+# --8<-- [start:drafter]
+class Drafter:
+    """prompt_lookup's drafts, found through an index instead of a scan: for each n-gram
+    length up to max_ngram, where each n-gram starts, kept as the history grows. A scan
+    costs a Python comparison per token of the history per window (milliseconds at a few
+    thousand tokens, more than a replayed window takes on a GPU); a lookup here visits
+    only the suffix's earlier occurrences, latest first, in prompt_lookup's order, so the
+    drafts are the same (tests/test_speculation.py checks them against it)."""
+
+    def __init__(self, history: list[int], max_ngram: int, min_ngram: int = 1):
+        self.history: list[int] = []
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.starts = [dict() for _ in range(max_ngram + 1)]  # starts[n][n-gram] = [its starts, ascending]
+        self.extend(history)
+
+    def extend(self, tokens):
+        for t in tokens:
+            self.history.append(int(t))
+            end = len(self.history)
+            for n in range(1, min(self.max_ngram, end) + 1):
+                self.starts[n].setdefault(tuple(self.history[end - n:]), []).append(end - n)
+
+    def draft(self, n_draft: int) -> list[int]:
+        """prompt_lookup(self.history, n_draft, max_ngram, min_ngram)."""
+        h, best = self.history, []
+        for n in range(min(self.max_ngram, len(h) - 1), self.min_ngram - 1, -1):
+            starts = self.starts[n].get(tuple(h[-n:]), ())
+            for j in range(len(starts) - 2, -1, -1):  # latest first; the last start is the suffix itself
+                i = starts[j]
+                follows = h[i + n:i + n + n_draft]
+                if len(follows) == n_draft:
+                    return follows
+                best = max(best, follows, key=len)
+        return best
+# --8<-- [end:drafter]

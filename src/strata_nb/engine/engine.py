@@ -26,9 +26,10 @@ from ..model.weights import load_weights
 from ..settings import SamplingSettings, Settings
 from ..text.tokenizer import StreamDecoder, Tokenizer
 from .decode_step import DeviceStep
-from .draft import prompt_lookup
+from .draft import MIN_NGRAM, Drafter
 from .forward import forward
 from .sampling import sample
+from .verify_window import VerifyWindow
 
 
 REPETITION_STOP = 256  # a reply that repeats one token this many times in a row is stopped (as Strata's)
@@ -46,9 +47,10 @@ def spec_counts() -> dict:
 @dataclass
 class RunStats:
     """Where a run's time went, phase by phase. The decode rate is the steady one: the
-    first WARM_STEPS steps are counted as warm-up (when the run has more), as is making
-    the kernels on their first use in the process (`Engine.warm_up`): compiling them, or
-    loading them from the on-disk cache where an earlier run compiled them."""
+    first WARM_STEPS steps (with --spec, passes) are counted as warm-up (when the run has
+    more), as is making the kernels on their first use in the process (`Engine.warm_up`):
+    compiling them, or loading them from the on-disk cache where an earlier run compiled
+    them."""
 
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens whose cells were already in the cache (a conversation cache hit)
@@ -101,6 +103,7 @@ class Engine:
         elif settings.fault == "expert-early-resident":
             raise SettingError("fault", "'expert-early-resident' breaks the expert cache: it needs an MoE model")
         self.last_stats = RunStats()
+        self._spec_passes = None  # (VerifyWindow, DeviceStep) once speculation first runs on the GPU
 
     def _expert_cache(self, shared: "Engine | None"):
         """An MoE model's expert cache, sized once the KV cache has taken its memory; a derived
@@ -266,25 +269,51 @@ class Engine:
         up to T = --spec at a time: the drafter guesses T - 1 tokens from `history` (the
         prompt and the output so far), one pass checks them all, and the longest prefix the
         model agrees with is kept, plus the model's own next token. A rejected draft's cells
-        lie past the kept ones; the next window starts there and writes over them."""
-        history = [*history, token]
+        lie past the kept ones; the next window starts there and writes over them. When the
+        drafter has nothing, the token takes a decode step. On a GPU both are replayed from
+        graphs (verify_window.py, decode_step.py); elsewhere `verify` runs the window."""
+        drafter = Drafter([*history, token], self.settings.suffix_draft, min(MIN_NGRAM, self.settings.suffix_draft))
+        window, step = self.spec_passes()
+        if window is not None:  # both graphs captured before the first pass counts
+            window.capture(token, pos)
+            while step.use_graph and step.graph is None and pos < self.settings.max_context:
+                step.run(token, pos)
         made = 0
         while made < n:
             room = min(self.settings.spec, n - made, self.settings.max_context - pos)
-            drafts = prompt_lookup(history, room - 1, self.settings.suffix_draft)
-            picks = self.verify([token, *drafts], pos)
+            drafts = drafter.draft(room - 1)
             kept = 0
-            while kept < len(drafts) and picks[kept] == drafts[kept]:
-                kept += 1
-            self.kv.keep(kept + 1)  # the window's token and the drafts the model agreed with
+            if not drafts:  # nothing to verify: one decode step
+                picks = [self.next_token(token, pos, SamplingSettings(), None, step)]
+                if window is not None:
+                    window.kept(pos, 1)  # the step moved the ring on the device as a window would
+            else:
+                on_device = window is not None and window.fits(pos)
+                picks = window.run([token, *drafts], pos) if on_device else self.verify([token, *drafts], pos)
+                while kept < len(drafts) and picks[kept] == drafts[kept]:
+                    kept += 1
+                self.kv.keep(kept + 1)  # the window's token and the drafts the model agreed with
+                if on_device:
+                    window.kept(pos, kept + 1)
+                counts["drafts_offered"] += len(drafts)
+                counts["drafts_accepted"] += kept
             counts["passes"] += 1
-            counts["drafts_offered"] += len(drafts)
-            counts["drafts_accepted"] += kept
-            for t in [*drafts[:kept], int(picks[kept])]:
-                history.append(t)
+            made_now = [*drafts[:kept], int(picks[kept])]
+            drafter.extend(made_now)
+            for t in made_now:
                 made += 1
                 yield t
             token, pos = int(picks[kept]), pos + kept + 1
+
+    def spec_passes(self) -> tuple[VerifyWindow | None, DeviceStep | None]:
+        """The replayable verify window and greedy decode step speculation runs on, made once
+        per engine so their graphs are captured once: (None, None) off the GPU path."""
+        if not VerifyWindow.supported(self.be, self.kv):
+            return None, None
+        if self._spec_passes is None:
+            self._spec_passes = (VerifyWindow(self.be, self.weights, self.kv, self.settings.spec, self.settings.graph),
+                                 self.device_step())
+        return self._spec_passes
     # --8<-- [end:speculate]
 
     def _forward(self, ids, start: int, prompt: bool, all_logits: bool) -> np.ndarray:
@@ -357,15 +386,20 @@ class Engine:
         else:
             later = self.tokens_after(token, pos, n, s, rng, self.device_step(s, rng))
         run, last = 0, None  # the current run of one repeated token
-        steady = None  # when the first WARM_STEPS steps were done
+        steady = None  # (when, tokens out) once the first WARM_STEPS steps (or verify passes) were done
+        arrived = t0  # when the last token was out
         try:
             while True:
                 if token in self.tokenizer.stop_ids:
                     stats.finish_reason = "stop"
                     break
                 stats.generated_tokens += 1
-                if stats.generated_tokens == 1 + WARM_STEPS:  # the prefill's token and the warm-up steps' are out
-                    steady = time.perf_counter()
+                now = time.perf_counter()
+                if steady is None and self.settings.spec and counts["passes"] > WARM_STEPS:
+                    steady = (arrived, stats.generated_tokens - 1)  # the warm-up passes' last token was out
+                elif steady is None and not self.settings.spec and stats.generated_tokens == 1 + WARM_STEPS:
+                    steady = (now, stats.generated_tokens)  # the prefill's token and the warm-up steps' are out
+                arrived = now
                 if on_token:
                     on_token(token)
                 piece = decoder.push(token)
@@ -383,9 +417,9 @@ class Engine:
         finally:
             later.close()  # waits for a step queued past the stop
         end, steps = time.perf_counter(), max(stats.generated_tokens - 1, 0)
-        if steady is not None and steps > WARM_STEPS:  # time the steady steps; the first ones are warm-up
-            stats.warmup_seconds += steady - t0
-            stats.decode_seconds, stats.decode_steps = end - steady, steps - WARM_STEPS
+        if steady is not None and stats.generated_tokens > steady[1]:  # time the steady steps; the first are warm-up
+            stats.warmup_seconds += steady[0] - t0
+            stats.decode_seconds, stats.decode_steps = end - steady[0], stats.generated_tokens - steady[1]
         else:  # too short a run to have steady steps: all of them
             stats.decode_seconds, stats.decode_steps = end - t0, steps
         if experts is not None:
