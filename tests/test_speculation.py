@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 
 from strata_nb import Engine
-from strata_nb.engine.draft import Drafter, prompt_lookup
+from strata_nb.engine.draft import Drafter, WindowWidth, prompt_lookup
 from strata_nb.errors import SettingError
 from strata_nb.kv.cache import KVCache
 from strata_nb.kv.plan import StreamPlan
@@ -66,6 +66,27 @@ def test_the_drafter_s_index_drafts_what_prompt_lookup_does():
                 want = prompt_lookup(history[:end], n_draft, max_ngram, min_ngram)
                 assert drafter.draft(n_draft) == want, (trial, end)
             drafter.extend(history[end:end + 1])
+
+
+
+def test_the_window_widens_while_its_drafts_are_kept_and_narrows_when_not():
+    width = WindowWidth(8)
+    assert width.widths == [2, 4, 8] and width.now == 8
+    width.after(3)  # 3 of 7 kept: fewer than half
+    assert width.now == 4
+    width.after(1)  # 1 of 3: fewer than half
+    assert width.now == 2
+    width.after(0)
+    assert width.now == 2  # the narrowest stays
+    width.after(1)  # all kept
+    assert width.now == 4
+    width.after(2)  # 2 of 3: neither
+    assert width.now == 4
+    width.after(3)
+    assert width.now == 8
+    width.after(7)
+    assert width.now == 8  # the widest stays
+    assert WindowWidth(5).widths == [2, 4, 5] and WindowWidth(2).widths == [2]
 
 
 @pytest.fixture(scope="module")

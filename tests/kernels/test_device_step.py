@@ -126,7 +126,8 @@ def test_a_queued_pass_marks_the_device_s_maps_newer(tiny_model, kv, kw, newer):
     the host's next decision must take the device's maps first (KVCache.sync_from_device).
     A fully resident dense cache makes no decision on the device."""
     eng = engine(tiny_model, kv, max_context=128, spec=4, **kw)
-    window, step = eng.spec_passes()
+    windows, step = eng.spec_passes()
+    window = windows[4]
     for queued in (lambda: step._queue().synchronize(), lambda: window.run([5, 6], 0)):
         step.launch = window.launch = lambda: None  # as a replay: no Python of the launches runs
         eng.kv.sync_from_device()

@@ -64,9 +64,9 @@ def run(model, prompt, spec, kv, **settings):
     eng.kv.restore(_prefilled[key])
     windows = []
     if spec:  # note each device window's (pos, length)
-        window, _ = eng.spec_passes()
-        plain_run = window.run
-        window.run = lambda w, pos: (windows.append((pos, len(w))), plain_run(w, pos))[1]
+        for window in eng.spec_passes()[0].values():
+            window.run = (lambda plain_run: lambda w, pos: (windows.append((pos, len(w))), plain_run(w, pos))[1])(
+                window.run)
     tokens = []
     list(eng.generate_ids(prompt, SamplingSettings(max_tokens=N_NEW), on_token=tokens.append, cached=N_PROMPT - 1))
     return tokens, eng, windows

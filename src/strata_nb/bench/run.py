@@ -144,7 +144,7 @@ def run_config(base, cfg: Config, prompt: list[int], runs: int, n_decode: int) -
         elif run_tokens != tokens:  # the same prompt must give the same tokens every run
             raise RuntimeError(f"{cfg}: run tokens differ from the first run's: nondeterministic decode")
     rate = statistics.median(decode_rates)
-    replayed = eng.spec_passes()[0] if cfg.spec else step  # what the timed tokens ran on: a window, or a step
+    replayed = eng.spec_passes()[0].get(cfg.spec) if cfg.spec else step  # what the timed tokens ran on
     per_token = weight_bytes(base.weights) + kv_bytes_read(eng, cfg.depth)
     return Row(cfg.fmt, cfg.mode, cfg.depth, statistics.median(prefill_rates), rate, prefill_rates, decode_rates,
                bool(replayed is not None and replayed.use_graph), cfg.depth * token_bytes(cfg.fmt, base.config), per_token,

@@ -7,7 +7,8 @@ next. The model then checks the guesses in one batched pass (engine.py, `verify`
 one it agrees with is a token gained without a step of its own. Longer matches are tried
 first (up to `max_ngram`), and among equal lengths the most recent occurrence.
 
-The engine drafts only from a match of at least MIN_NGRAM tokens. A single repeated token
+The engine drafts only from a match of at least MIN_NGRAM tokens, and sizes each window
+from how the last one went (WindowWidth). A single repeated token
 (a comma, "the") predicts what follows it poorly: in free prose most of its drafts are
 rejected, and a verify window costs more than the decode step it replaces, so drafting
 from it makes decoding slower where it cannot help.
@@ -72,3 +73,30 @@ class Drafter:
                 best = max(best, follows, key=len)
         return best
 # --8<-- [end:drafter]
+
+
+# --8<-- [start:window_width]
+class WindowWidth:
+    """How many positions the next verify window holds: 2, 4, ... (powers of two) up to
+    --spec, starting at --spec. A window whose drafts were all kept is followed by the next
+    wider one; one that kept fewer than half of what it could is followed by the next
+    narrower one. A wide window costs more than a narrow one (more rows through every
+    product and attention), which pays only while the drafts keep being right: in a reply
+    that copies its prompt the width stays at --spec, in free prose it falls to where the
+    few drafts that are right still gain more than the pass costs."""
+
+    def __init__(self, spec: int):
+        self.widths = sorted({w for w in (2, 4, 8) if w < spec} | {spec})
+        self.i = len(self.widths) - 1
+
+    @property
+    def now(self) -> int:
+        return self.widths[self.i]
+
+    def after(self, kept: int):
+        """The window of `now` positions kept `kept` of its drafts."""
+        if kept == self.now - 1:
+            self.i = min(self.i + 1, len(self.widths) - 1)
+        elif 2 * kept < self.now - 1:
+            self.i = max(self.i - 1, 0)
+# --8<-- [end:window_width]

@@ -26,7 +26,7 @@ from ..model.weights import load_weights
 from ..settings import SamplingSettings, Settings
 from ..text.tokenizer import StreamDecoder, Tokenizer
 from .decode_step import DeviceStep
-from .draft import MIN_NGRAM, Drafter
+from .draft import MIN_NGRAM, Drafter, WindowWidth
 from .forward import forward
 from .sampling import sample
 from .verify_window import VerifyWindow
@@ -103,7 +103,7 @@ class Engine:
         elif settings.fault == "expert-early-resident":
             raise SettingError("fault", "'expert-early-resident' breaks the expert cache: it needs an MoE model")
         self.last_stats = RunStats()
-        self._spec_passes = None  # (VerifyWindow, DeviceStep) once speculation first runs on the GPU
+        self._spec_passes = None  # ({width: VerifyWindow}, DeviceStep) once speculation first runs on the GPU
 
     def _expert_cache(self, shared: "Engine | None"):
         """An MoE model's expert cache, sized once the KV cache has taken its memory; a derived
@@ -266,37 +266,39 @@ class Engine:
 
     def speculate(self, token: int, pos: int, n: int, history: list[int], counts: dict):
         """The n greedy tokens after `token` at `pos`, as tokens_after gives them, verified
-        up to T = --spec at a time: the drafter guesses T - 1 tokens from `history` (the
-        prompt and the output so far), one pass checks them all, and the longest prefix the
-        model agrees with is kept, plus the model's own next token. A rejected draft's cells
+        in windows of up to T = --spec positions (WindowWidth sizes each from the last): the
+        drafter guesses width - 1 tokens from `history` (the prompt and the output so far),
+        one pass checks them all, and the longest prefix the model agrees with is kept,
+        plus the model's own next token. A rejected draft's cells
         lie past the kept ones; the next window starts there and writes over them. When the
         drafter has nothing, the token takes a decode step. On a GPU both are replayed from
         graphs (verify_window.py, decode_step.py); elsewhere `verify` runs the window."""
         drafter = Drafter([*history, token], self.settings.suffix_draft, min(MIN_NGRAM, self.settings.suffix_draft))
-        window, step = self.spec_passes()
-        if window is not None:  # both graphs captured before the first pass counts
+        width = WindowWidth(self.settings.spec)
+        windows, step = self.spec_passes()
+        for window in windows.values():  # every graph captured before the first pass counts
             window.capture(token, pos)
-            while step.use_graph and step.graph is None and pos < self.settings.max_context:
-                step.run(token, pos)
+        while windows and step.use_graph and step.graph is None and pos < self.settings.max_context:
+            step.run(token, pos)
         made = 0
         while made < n:
-            room = min(self.settings.spec, n - made, self.settings.max_context - pos)
+            room = min(width.now, n - made, self.settings.max_context - pos)
             drafts = drafter.draft(room - 1)
             kept = 0
             if not drafts:  # nothing to verify: one decode step
                 picks = [self.next_token(token, pos, SamplingSettings(), None, step)]
-                if window is not None:
-                    window.kept(pos, 1)  # the step moved the ring on the device as a window would
             else:
+                window = windows.get(width.now)
                 on_device = window is not None and window.fits(pos)
                 picks = window.run([token, *drafts], pos) if on_device else self.verify([token, *drafts], pos)
                 while kept < len(drafts) and picks[kept] == drafts[kept]:
                     kept += 1
                 self.kv.keep(kept + 1)  # the window's token and the drafts the model agreed with
-                if on_device:
-                    window.kept(pos, kept + 1)
+                width.after(kept)
                 counts["drafts_offered"] += len(drafts)
                 counts["drafts_accepted"] += kept
+            for window in windows.values():  # the next pass starts where this one's kept cells end
+                window.kept(pos, kept + 1)
             counts["passes"] += 1
             made_now = [*drafts[:kept], int(picks[kept])]
             drafter.extend(made_now)
@@ -305,14 +307,15 @@ class Engine:
                 yield t
             token, pos = int(picks[kept]), pos + kept + 1
 
-    def spec_passes(self) -> tuple[VerifyWindow | None, DeviceStep | None]:
-        """The replayable verify window and greedy decode step speculation runs on, made once
-        per engine so their graphs are captured once: (None, None) off the GPU path."""
+    def spec_passes(self) -> tuple[dict[int, VerifyWindow], DeviceStep | None]:
+        """The replayable verify windows (one per width WindowWidth takes) and greedy decode
+        step speculation runs on, made once per engine so their graphs are captured once:
+        ({}, None) off the GPU path."""
         if not VerifyWindow.supported(self.be, self.kv):
-            return None, None
+            return {}, None
         if self._spec_passes is None:
-            self._spec_passes = (VerifyWindow(self.be, self.weights, self.kv, self.settings.spec, self.settings.graph),
-                                 self.device_step())
+            self._spec_passes = ({w: VerifyWindow(self.be, self.weights, self.kv, w, self.settings.graph)
+                                  for w in WindowWidth(self.settings.spec).widths}, self.device_step())
         return self._spec_passes
     # --8<-- [end:speculate]
 
