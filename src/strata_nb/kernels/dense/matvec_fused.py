@@ -20,8 +20,7 @@ What each fusion buys:
   window's further rows go to more thread blocks (the grid's y), which read the same
   weights again, from L2. A decode step's kernel (1 row) holds 4 sums a thread, a
   window's 8; the fewer registers a thread needs, the more warps fit on an SM to hide
-  the memory's latency. (Of 1, 2, 4 and 8 rows a block, 2 was the fastest on the H200
-  for windows of 4 and 8: CHANGELOG.md, 2026-12-03.)
+  the memory's latency.
 - a *prologue* decides what it multiplies: x, rmsnorm(x) or swiglu(gate|up) (the forward
   pass's `normed_matmul`, `gated_matmul_add_`), so no norm or gate launch precedes it;
 - an *epilogue* stores y, adds it to the residual (`matmul_add_`), or stores q|k|v with
