@@ -5,7 +5,7 @@ import pytest
 
 from strata_nb.kernels.kv.key_sketch import key_sketch, key_sketch_ref, sketch_shape
 from strata_nb.kernels.kv.quant_q4_0 import dequantize_q4_0_ref, quantize_q4_0_ref
-from strata_nb.kernels.step.block_scores import block_scores, block_scores_ref
+from strata_nb.kernels.step.block_scores import block_scores, block_scores_ref, candidates
 from strata_nb.kernels.kv.copy_runs import as_words, copy_runs, copy_runs_ref
 from strata_nb.kernels.kv.ring_restore import ring_restore, ring_restore_ref
 from strata_nb.kv_layout import FORMATS, pool_arrays
@@ -68,20 +68,27 @@ def test_key_sketch_writes_each_cell_s_k_as_q4_0():
 
 def test_block_scores_are_each_block_s_best_cell():
     rng = np.random.default_rng(3)
-    n_q, n_heads, n_blocks = 3, 9, 21  # more blocks than a scoring thread block takes
+    n_q, n_heads, n_blocks, window = 3, 9, 21, 2  # more blocks than a scoring thread block takes
+    positions = np.array([20 * 16 + 3, 11 * 16, 3 * 16 + 15], np.int32)  # the last, a middle and an early block
     q = rng.standard_normal((n_q, n_heads, HD)).astype(np.float32)
     cells = rng.standard_normal((n_blocks, N_KV, 16, HD)).astype(np.float32)
     sketch = quantize_q4_0_ref(cells)
     want = np.zeros((n_q, n_blocks), np.float32)
     got = np.zeros_like(want)
-    block_scores_ref(q, sketch, want)
-    block_scores(q, sketch, got)
+    block_scores_ref(q, sketch, positions, window, want)
+    block_scores(q, sketch, positions, window, got)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
-    # the score is the largest q . k over the block's 4-bit keys and the query's heads
+    # the score is the largest q . k over the block's 4-bit keys and the query's heads, for
+    # the blocks selection ranks: after block 0, before the window
     kv_of = np.arange(n_heads) // (n_heads // N_KV)
     dots = np.einsum("qhd,bhcd->qbhc", q, dequantize_q4_0_ref(sketch)[:, kv_of])
-    np.testing.assert_allclose(want, dots.max(axis=(2, 3)), rtol=1e-5, atol=1e-4)
+    for i, last in enumerate(positions // 16):
+        ranked = np.arange(1, last - window + 1)
+        assert list(candidates(int(positions[i]), window)) == list(ranked)
+        np.testing.assert_allclose(want[i, ranked], dots[i, ranked].max(axis=(1, 2)), rtol=1e-5, atol=1e-4)
+        others = np.setdiff1d(np.arange(n_blocks), ranked)
+        assert (want[i, others] == -np.inf).all() and (got[i, others] == -np.inf).all()
     # one cell that matches query 0's head 4 makes its block query 0's best
     cells[13, 4 // 3, 7] = 3 * q[0, 4]
-    block_scores_ref(q, quantize_q4_0_ref(cells), want)
+    block_scores_ref(q, quantize_q4_0_ref(cells), positions, window, want)
     assert int(np.argmax(want[0])) == 13

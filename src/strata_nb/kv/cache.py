@@ -194,8 +194,9 @@ class KVCache:
         from the blocks' scores (select_rows_ref, the host policy)."""
         if self.qsa_budget == 0:
             return all_blocks_upto(positions)
-        scores = self.be.zeros((q.shape[0], self.n_blocks), np.float32)
-        self.be.op(block_scores_ref, block_scores)(q, L.sketch, scores)
+        scores = self.be.empty((q.shape[0], self.n_blocks), np.float32)
+        self.be.op(block_scores_ref, block_scores)(q, L.sketch, np.asarray(positions, np.int32), self.window_blocks,
+                                                   scores)
         return select_rows_ref(self.be.to_numpy(scores), positions, self.window_blocks, self.qsa_budget)
     # --8<-- [end:select]
 

@@ -38,7 +38,7 @@ class StepBlocks:
         if self.dense_resident:
             return self.blocks[:n]
         if self.kv.qsa_budget:
-            self.be.op(block_scores_ref, block_scores)(q, L.sketch, self.scores[:n])
+            self.be.op(block_scores_ref, block_scores)(q, L.sketch, pos, self.kv.window_blocks, self.scores[:n])
         for i in range(n):
             self.be.op(select_blocks_ref, select_blocks)(
                 self.scores[i:i + 1], pos[i:i + 1], L.page_table, self.kv.window_blocks, self.kv.qsa_budget,

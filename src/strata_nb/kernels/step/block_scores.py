@@ -7,6 +7,12 @@ context, so scoring reads no K/V from the host copy. A 4-bit key is close enough
 the blocks as the real keys would: the block a retrieval head attends to most is the one
 with its best-scoring cell (docs/walkthrough/select.md has the probe that measures it).
 
+Only the blocks selection ranks get a score: block 0 and the recent window are always
+read, and blocks after the query are not read at all, so their entries are -inf
+(`candidates`). A decode step's grid covers every block of the context, because a
+replayed launch cannot change shape; the thread block of a block the query does not
+rank writes its -inf and stops, so a step early in a long context scores only what it has.
+
 A thread block scores one block for one query, a warp per KV head; lane l takes cell
 l % 16 and the q4_0 groups l // 16, l // 16 + 2, ... of that cell's row (both halves of a
 64-dim head, one each). A lane holds its group's 32 values of each query head of the KV head's
@@ -54,14 +60,27 @@ else:
 
 
 # --8<-- [start:block_scores_ref]
-def block_scores_ref(q,        # (n_q, n_heads, hd) float32 (rotated when the format rotates Q)
-                     sketch,   # (n_blocks, n_kv, BLOCK, hd // 32 * 18) uint8: the key sketch
-                     scores):  # (n_q, n_blocks) float32, written
+def candidates(pos, window_blocks: int) -> range:
+    """The blocks a query at `pos` ranks: not block 0 and not the window (both always
+    read), nothing after the query. Only these need a score."""
+    return range(1, max(1, pos // BLOCK - window_blocks + 1))
+
+
+def block_scores_ref(q,              # (n_q, n_heads, hd) float32 (rotated when the format rotates Q)
+                     sketch,         # (n_blocks, n_kv, BLOCK, hd // 32 * 18) uint8: the key sketch
+                     positions,      # (n_q,) int32: each query's position
+                     window_blocks,  # int: the window's blocks (--kv-window // 16)
+                     scores):        # (n_q, n_blocks) float32, written: -inf where not a candidate
     n_q, n_heads, hd = q.shape
-    keys = dequantize_q4_0_ref(sketch)  # (n_blocks, n_kv, BLOCK, hd)
-    kv_of = np.arange(n_heads) // (n_heads // keys.shape[1])  # the KV head each query head reads
-    dots = np.einsum("qhd,bhcd->qbhc", q, keys[:, kv_of])  # (n_q, blocks, heads, cells)
-    scores[...] = dots.reshape(n_q, keys.shape[0], -1).max(axis=-1)
+    ranked = [candidates(int(pos), window_blocks) for pos in np.asarray(positions)]
+    scores[...] = NEG_INF
+    end = max(r.stop for r in ranked)  # the blocks up to the last any query ranks
+    keys = dequantize_q4_0_ref(sketch[:end])  # (end, n_kv, BLOCK, hd)
+    kv_of = np.arange(n_heads) // (n_heads // sketch.shape[1])  # the KV head each query head reads
+    dots = np.einsum("qhd,bhcd->qbhc", q, keys[:, kv_of])  # (n_q, end, heads, cells)
+    for i, cand in enumerate(ranked):
+        if len(cand):
+            scores[i, cand] = dots[i, cand].reshape(len(cand), -1).max(axis=-1)
 # --8<-- [end:block_scores_ref]
 
 
@@ -71,10 +90,16 @@ def make_block_scores_kernel(G, KV, D):
     GROUPS = D // Q4_GROUP
 
     @cuda.jit(cache=True)
-    def block_scores_kernel(q, sketch, sketch_d, scores):  # as block_scores_ref; sketch_d: its bytes as float16
+    def block_scores_kernel(q, sketch, sketch_d, positions, window_blocks, scores):  # as block_scores_ref; sketch_d: its bytes as float16
         # Thread block (b, i): block b, query i; warp g: KV head g; lane: cell c, groups w0, w0 + 2, ...
         b, i = cuda.blockIdx.x, cuda.blockIdx.y
         t = cuda.threadIdx.x
+        # The grid covers every block of the context (a replayed step's launch is fixed); a
+        # block the query does not rank is marked and left: its thread block reads nothing else.
+        if b == 0 or b > positions[i] // BLOCK - window_blocks:
+            if t == 0:
+                scores[i, b] = NEG_INF
+            return
         g, lane = t // WARP, t % WARP
         c, w0 = lane % BLOCK, lane // BLOCK
         qr = cuda.local.array((G, Q4_GROUP), float32)  # the group's 32 values of each query head: registers
@@ -123,11 +148,12 @@ BLOCK_SCORES_KERNELS = {(g, kv, d): make_block_scores_kernel(g, kv, d)
                         for g in range(1, MAX_GROUP + 1) for kv in range(1, MAX_KV + 1) for d in HEAD_DIMS}
 
 
-def block_scores(q, sketch, scores):
+def block_scores(q, sketch, positions, window_blocks: int, scores):
     """Like block_scores_ref (scores agree within float32 summation order: atol 1e-4 * scale)."""
     expect("q", q, np.float32, (None, None, None))
     n_heads, hd = q.shape[1], q.shape[2]
     expect("sketch", sketch, np.uint8, (None, None, BLOCK, hd // Q4_GROUP * Q4_BYTES))
+    expect("positions", positions, np.int32, (q.shape[0],))
     expect("scores", scores, np.float32, (q.shape[0], sketch.shape[0]))
     n_kv = sketch.shape[1]
     key = (n_heads // max(1, n_kv), n_kv, hd)
@@ -138,4 +164,5 @@ def block_scores(q, sketch, scores):
     with DeviceArgs() as dev:
         keys = dev.read(sketch)
         kernel[(sketch.shape[0], q.shape[0]), n_kv * WARP, stream()](
-            dev.read(q), keys, view_bytes(keys, np.float16), dev.write(scores))
+            dev.read(q), keys, view_bytes(keys, np.float16), dev.read(positions), np.int32(window_blocks),
+            dev.write(scores))
