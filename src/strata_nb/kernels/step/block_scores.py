@@ -34,6 +34,7 @@ from numba import cuda, float32
 # query heads per KV head, so a model the step takes is one QSA can score
 from strata_nb.kernels.attention.attention_step import HEAD_DIMS, MAX_GROUP
 from strata_nb.kernels.kv.quant_q4_0 import D_STRIDE, HALF, dequantize_q4_0_ref
+from strata_nb.kernels.step.select_blocks import candidates
 from strata_nb.gpu.launch import DeviceArgs, expect, stream, view_bytes
 from strata_nb.gpu.geometry import SIMULATED
 from strata_nb.gpu.reduce import NEG_INF, WARP, warp_max
@@ -60,12 +61,6 @@ else:
 
 
 # --8<-- [start:block_scores_ref]
-def candidates(pos, window_blocks: int) -> range:
-    """The blocks a query at `pos` ranks: not block 0 and not the window (both always
-    read), nothing after the query. Only these need a score."""
-    return range(1, max(1, pos // BLOCK - window_blocks + 1))
-
-
 def block_scores_ref(q,              # (n_q, n_heads, hd) float32 (rotated when the format rotates Q)
                      sketch,         # (n_blocks, n_kv, BLOCK, hd // 32 * 18) uint8: the key sketch
                      positions,      # (n_q,) int32: each query's position

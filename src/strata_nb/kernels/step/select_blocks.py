@@ -51,6 +51,12 @@ SHARED_SCORES = SELECT_SHARED_SCORES
 
 
 # --8<-- [start:select_rows_ref]
+def candidates(pos, window_blocks: int) -> range:
+    """The blocks a query at `pos` ranks: not block 0 and not the window (both always
+    read), nothing after the query. Only these need a score."""
+    return range(1, max(1, pos // BLOCK - window_blocks + 1))
+
+
 def select_rows_ref(scores: np.ndarray, positions: np.ndarray, window_blocks: int, budget_cells: int) -> np.ndarray:
     """QSA's choice for each query: the first block, the recent window, then the best-scoring
     others until the budget. scores (n_q, n_blocks) float32, positions (n_q,) -> (n_q, max_sel)
@@ -59,8 +65,9 @@ def select_rows_ref(scores: np.ndarray, positions: np.ndarray, window_blocks: in
     rows = []
     for score, pos in zip(scores, positions):
         last = int(pos) // BLOCK
-        always = {0} | set(range(max(0, last - window_blocks + 1), last + 1))
-        others = [b for b in np.argsort(-score[: last + 1], kind="stable") if b not in always]
+        ranked = candidates(int(pos), window_blocks)
+        always = set(range(last + 1)) - set(ranked)  # block 0 and the window
+        others = [b for b in np.argsort(-score[: last + 1], kind="stable") if b in ranked]
         take = max(0, budget_blocks - len(always))
         rows.append(sorted(always | {int(b) for b in others[:take]}))
     out = np.full((len(rows), max(map(len, rows))), -1, np.int32)
