@@ -135,7 +135,7 @@ def ptx_usage(ptx: str, binary: str) -> dict:
                              capture_output=True, text=True, timeout=300)
     if run.returncode != 0:
         raise RuntimeError(f"ptxas failed: {run.stderr[-500:]}")
-    return {**parse_ptxas(run.stderr), "divides": wide_divides(ptx)}
+    return {**parse_ptxas(run.stderr), "divides": wide_divides(ptx), "grid_y": "%ctaid.y" in ptx}
 
 
 def wide_divides(ptx: str) -> int:

@@ -209,7 +209,10 @@ def make_matvec_kernel(part, nibbles, load_x, store_y, normed, x_rows, rows, rop
         lane, warp = t % WARP, t // WARP
         # --8<-- [end:matvec_rows]
         n, n_out = x.shape[0], y.shape[1]
-        r0 = cuda.blockIdx.y * x_rows  # this block's rows of x: r0 .. r0 + x_rows - 1 (row groups)
+        # this block's rows of x: r0 .. r0 + x_rows - 1 (row groups). A decode step's kernel
+        # (x_rows = 1, a compile-time constant) has r0 = 0 as a constant, so its indexing of x
+        # and y folds as it would without row groups
+        r0 = cuda.blockIdx.y * x_rows if x_rows > 1 else 0
         n_parts = n_in // PART
         w = cuda.local.array((rows, PART), float32)  # one part of each of the block's rows
         xs = cuda.local.array(PART, float32)  # the 8 values of a row of x that part multiplies
