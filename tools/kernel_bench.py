@@ -1,12 +1,16 @@
 """Single kernels on the default model's shapes, timed by CUPTI (needs torch), on a GPU:
 
-    STRATA_NB_GPU=1 python tools/kernel_bench.py
+    STRATA_NB_GPU=1 python tools/kernel_bench.py                  # every section
+    STRATA_NB_GPU=1 python tools/kernel_bench.py select matvec    # some of them
 
 - attention for one decode query (one launch: the splits merge in it) at 48, 1,024 and
   8,192 cells of a 8,192-cell list, splits of 1, 2 and 4 blocks, fp16 and k8v4 (with
   the output rotated back), and a 256-query prompt chunk at 8K with 1, 4 and 16 queries per thread block;
 - each matvec of a decode step (fused q|k|v with its norm, o with the add, gate|up with
-  its norm, down with SwiGLU and the add, the Q8_0 head) at 2, 4 and 8 rows per block.
+  its norm, down with SwiGLU and the add, the Q8_0 head) at 2, 4 and 8 rows per block;
+- QSA's two kernels of a streamed step, block_scores (from the key sketch) and
+  select_blocks (a budget of 1,024 cells, a window of 16 blocks), for a query at 1,024,
+  4,096 and 8,160 cells of a 512-block context.
 
 The K/V and weights are random bytes: the times depend on the shapes only.
 """
@@ -90,6 +94,32 @@ def matvecs():
     mv.ROWS, mv.MATVEC_KERNELS = default, mvf.matvec_kernels(default)
 
 
+def selection():
+    from strata_nb.kernels.kv.quant_q4_0 import quantize_q4_0_ref
+    from strata_nb.kernels.step.block_scores import block_scores
+    from strata_nb.kernels.step.select_blocks import select_blocks
+
+    sketch = cuda.to_device(quantize_q4_0_ref(rng.standard_normal((N_BLOCKS, 3, 16, 64)).astype(np.float32)))
+    q = cuda.to_device(rng.standard_normal((1, 9, 64)).astype(np.float32))
+    scores = cuda.device_array((1, N_BLOCKS), np.float32)
+    page_table = cuda.to_device(np.where(np.arange(N_BLOCKS) == 0, 0, -1).astype(np.int32))
+    chosen = cuda.device_array(N_BLOCKS, np.int32)
+    out = cuda.device_array((1, 64), np.int32)
+    counts = cuda.to_device(np.zeros(3, np.int64))
+    for depth in (1024, 4096, N_BLOCKS * 16 - 32):
+        pos = cuda.to_device(np.array([depth], np.int32))
+        t = us(lambda: block_scores(q, sketch, pos, 16, scores), 30)
+        t.update(us(lambda: select_blocks(scores, pos, page_table, 16, 1024, chosen, out, counts), 30))
+        print(f"QSA at {depth}: {t}", flush=True)
+
+
+SECTIONS = {"attention": attention, "matvec": matvecs, "select": selection}
+
 if __name__ == "__main__":
-    attention()
-    matvecs()
+    import sys
+
+    unknown = [name for name in sys.argv[1:] if name not in SECTIONS]
+    if unknown:
+        sys.exit(f"kernel_bench: no section {', '.join(unknown)} (sections: {', '.join(SECTIONS)})")
+    for name in sys.argv[1:] or list(SECTIONS):
+        SECTIONS[name]()
