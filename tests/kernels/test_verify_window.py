@@ -6,12 +6,13 @@ the one-token path's order, so the caches must agree bit for bit (the numpy back
 BLAS cannot promise that: tests/test_speculation.py). A streamed cache's host copy must
 mirror its VRAM slots.
 
-Under the simulator: the tiny model, its prompt prefilled once per format and restored,
-windows from position 28 across block 2 at 32. With a ring of one block (--kv-window 16)
-the pass that enters block 2 moves the ring off block 1, whose cells the same window
-wrote: the following queries read them in place from the host copy (the #1188 case). On
-a GPU (STRATA_NB_GPU=1) the default model continues its bundled document in every KV
-format, resident and streamed at the minimum resident size, with and without QSA.
+Under the simulator: the tiny model, its prompt's cells written once by the numpy backend
+and restored; the first pass after the prompt's last token is a window at 31, across
+block 2 at 32. With a ring of one block (--kv-window 16) the pass that enters block 2
+moves the ring off block 1, whose cells the same window wrote: the following queries
+read them in place from the host copy (the #1188 case). On a GPU (STRATA_NB_GPU=1) the
+default model continues its bundled document in every KV format, resident and streamed
+at the minimum resident size, with and without QSA.
 """
 from importlib import resources
 
@@ -34,7 +35,13 @@ if ON_GPU:
     N_PROMPT, N_NEW, WINDOW, CONTEXT = 150, 64, 5, 512
 else:
     CONFIGS = [("k8v4", STREAMED | dict(qsa_budget=32))]  # QSA keeps block 0 and the ring's: minutes here
-    N_PROMPT, N_NEW, WINDOW, CONTEXT = 28, 8, 4, 128
+    # A decode step or a window costs seconds here (its matvecs a warp reduction per row of
+    # W and of x), a prompt cell on the numpy backend a millisecond: the prompt runs up to
+    # the boundary at 32, and 3 tokens cross it (a decode step at 30, one window at 31).
+    N_PROMPT, N_NEW, WINDOW, CONTEXT = 31, 3, 4, 128
+# The backend that writes the prompt's cells, restored into both runs: the cells' format is
+# the cache's, whichever backend wrote them (a cuda prefill is a minute under the simulator)
+PREFILL_DEVICE = "cuda" if ON_GPU else "cpu"
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +52,10 @@ def model(tiny_model, request):
 @pytest.fixture(scope="module")
 def prompt(model):
     if not ON_GPU:
-        return [3 + (7 * i) % 90 for i in range(N_PROMPT)]
+        # ends in two of the token the tiny model then repeats (12), so the drafter has a
+        # 2-token match at once: the pass after the prompt's last token (a decode step at
+        # 30) is a window at 31, [12, its draft 12], that writes 31 and enters block 2 at 32
+        return [3 + (7 * i) % 90 for i in range(N_PROMPT - 2)] + [12, 12]
     text = resources.files("strata_nb.data").joinpath("default_document.txt").read_text()
     return Engine.load(model=model, device="cpu", max_context=CONTEXT).tokenize(text)[:N_PROMPT]
 
@@ -55,12 +65,13 @@ _prefilled: dict = {}
 
 def run(model, prompt, spec, kv, **settings):
     """(greedy tokens, engine, verify windows (pos, length)) from the prompt's cells, all
-    but its last token's restored from one prefill per format and plan."""
-    eng = Engine.load(model=model, device="cuda", max_context=CONTEXT, spec=spec, kv=kv, **settings)
+    but its last token's restored from one prefill per format and plan (on PREFILL_DEVICE)."""
     key = (kv, tuple(sorted(settings.items())))
     if key not in _prefilled:
-        eng.prefill(prompt[:-1])
-        _prefilled[key] = eng.kv.snapshot(N_PROMPT - 1)
+        writer = Engine.load(model=model, device=PREFILL_DEVICE, max_context=CONTEXT, kv=kv, **settings)
+        writer.prefill(prompt[:-1])
+        _prefilled[key] = writer.kv.snapshot(N_PROMPT - 1)
+    eng = Engine.load(model=model, device="cuda", max_context=CONTEXT, spec=spec, kv=kv, **settings)
     eng.kv.restore(_prefilled[key])
     windows = []
     if spec:  # note each device window's (pos, length)
