@@ -70,15 +70,15 @@ def main():
     slots_down = cuda.to_device(np.array(host_down[:K]))
     chosen = cuda.to_device(np.array([[3, 6]], np.int32))
     weights = cuda.to_device(np.array([[0.6, 0.4]], np.float32))
-    resident = cuda.to_device(np.array([-1, -1, -1, 0, -1, -1, 1, -1], np.int32))
-    missing = cuda.to_device(np.full(E, -1, np.int32))
+    resident = cuda.to_device(np.array([[0, 1]], np.int32))  # the chosen experts' slots (route's slot_of)
+    missing = cuda.to_device(np.full((1, K), -1, np.int32))
     x_norm = cuda.to_device(rng.standard_normal((1, D)).astype(np.float32))
     h = cuda.device_array((1, K, F), np.float32)
     x = cuda.to_device(np.zeros((1, D), np.float32))
 
-    def experts(res):
-        expert_gate_up(x_norm, chosen, res, 0, slots_gu, host_gu, QTYPE, h)
-        expert_down(h, chosen, weights, res, 0, slots_down, host_down, QTYPE, x)
+    def experts(slot_of):
+        expert_gate_up(x_norm, chosen, slot_of, 0, slots_gu, host_gu, QTYPE, h)
+        expert_down(h, chosen, weights, slot_of, 0, slots_down, host_down, QTYPE, x)
 
     copies = cuda.stream()
 

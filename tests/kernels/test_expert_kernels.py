@@ -11,9 +11,12 @@ import numpy as np
 import pytest
 
 from conftest import ON_GPU
+from strata_nb.gpu.geometry import EXPERT_WARPS
 from kernels.test_dense_kernels import assert_within, quantized
 from strata_nb.kernels.experts.expert_down import down_tolerance, expert_down, expert_down_ref
 from strata_nb.kernels.experts.expert_gate_up import expert_gate_up, expert_gate_up_ref, gate_up_tolerance
+from strata_nb.kernels.dense.matvec_fused import read_ahead_ref
+from strata_nb.kernels.dense.rmsnorm import rmsnorm_tolerance
 from strata_nb.kernels.experts.route import route, route_ref, weights_tolerance
 from strata_nb.model.dequant import dequantize
 
@@ -37,8 +40,10 @@ def table(rng, n_slots):
 
 
 @pytest.mark.parametrize("qtype, d", [("F32", D), ("Q8_0", D), ("F32", 1088)])
-def test_route_matches_the_reference(qtype, d):
-    """d = 1,088: a router row longer than the parts a lane reads ahead (PRELOAD)."""
+@pytest.mark.parametrize("plain", [False, True], ids=["fast", "plain"])
+def test_route_matches_the_reference(qtype, d, plain):
+    """d = 1,088: a router row longer than the parts a lane of the plain kernel reads
+    ahead (PRELOAD)."""
     rng = np.random.default_rng(1)
     x = rng.standard_normal((T, d)).astype(np.float32)
     norm = (1 + 0.1 * rng.standard_normal(d)).astype(np.float32)
@@ -52,10 +57,14 @@ def test_route_matches_the_reference(qtype, d):
         lookups = np.full(LAYERS * E, 5, np.int32)  # counters only grow: start them anywhere
         hits = np.full(LAYERS * E, 7, np.int32)
         args = (x, norm, 1e-5) + ((router,) if name == "ref" else (raw, qtype))
-        fn(*args, x_norm, chosen, weights, res, AT, lookups, hits)
-        outs[name] = x_norm, chosen, weights, lookups, hits
-    (xn, c, w, lk, h), (xn_k, c_k, w_k, lk_k, h_k) = outs["ref"], outs["kernel"]
+        slot_of = np.full((T, K), 9, np.int32)
+        fn(*args, x_norm, chosen, weights, slot_of, res, AT, lookups, hits, *(() if name == "ref" else (plain,)))
+        outs[name] = x_norm, chosen, weights, lookups, hits, slot_of
+    (xn, c, w, lk, h, so), (xn_k, c_k, w_k, lk_k, h_k, so_k) = outs["ref"], outs["kernel"]
+    assert_within(xn_k, xn, rmsnorm_tolerance(xn))
     np.testing.assert_array_equal(c_k, c)
+    np.testing.assert_array_equal(so_k, so)
+    np.testing.assert_array_equal(so, res[AT + c])  # the lookups the expert kernels read
     assert (c[:, 0] != c[:, 1]).all()
     assert_within(w_k, w, weights_tolerance(xn, dequantize(raw, qtype)) * np.abs(w))
     np.testing.assert_allclose(w_k.sum(axis=1), 1, atol=1e-6)
@@ -65,7 +74,8 @@ def test_route_matches_the_reference(qtype, d):
     assert h.sum() - 7 * LAYERS * E == sum(int(res[AT + e] >= 0) for e in c.ravel())
 
 
-def test_route_breaks_ties_toward_the_lower_id():
+@pytest.mark.parametrize("plain", [False, True], ids=["fast", "plain"])
+def test_route_breaks_ties_toward_the_lower_id(plain):
     """Equal logits (a zero router): every expert equally likely; the reference's stable
     sort takes experts 0 .. K-1, and so must the kernel."""
     x = np.ones((1, D), np.float32)
@@ -73,7 +83,8 @@ def test_route_breaks_ties_toward_the_lower_id():
     weights = np.zeros((1, K), np.float32)
     zeros = np.zeros(LAYERS * E, np.int32)
     route(x, np.ones(D, np.float32), 1e-5, np.zeros((E, D), np.float32).view(np.uint8), "F32",
-          np.zeros((1, D), np.float32), chosen, weights, np.full(LAYERS * E, -1, np.int32), 0, zeros, zeros.copy())
+          np.zeros((1, D), np.float32), chosen, weights, np.zeros((1, K), np.int32), np.full(LAYERS * E, -1, np.int32), 0,
+          zeros, zeros.copy(), plain)
     assert chosen.tolist() == [list(range(K))]
     np.testing.assert_allclose(weights, 1 / K, rtol=1e-6)
 
@@ -105,8 +116,22 @@ def test_expert_gate_up_matches_the_reference(qtype, n_slots):
     f_host, f_slots = dq(host_gu, qtype), dq(slots_gu, qtype).reshape(n_slots, 2 * F, D)
     expert_gate_up_ref(x_norm, chosen, res, AT, f_slots, f_host, want)
     got = np.zeros((T, K, F), np.float32)
-    expert_gate_up(x_norm, chosen, res, AT, slots_gu, host_gu, qtype, got)
+    expert_gate_up(x_norm, chosen, res[AT + chosen], AT, slots_gu, host_gu, qtype, got)
     assert_within(got, want, gate_up_tolerance(x_norm, chosen, lambda e: f_host[AT + e]))
+
+
+def test_gate_up_reads_the_chosen_experts_down_matrices_ahead():
+    """Every sector of each choice's down matrix is read once, from its slot or the host
+    copy (the bytes are the same): the grid's XOR is the XOR of each choice's."""
+    host_gu, host_down, slots_gu, slots_down, res, chosen, _, x_norm = experts_case("Q4_1", 2)
+    h = np.zeros((T, K, F), np.float32)
+    ahead_out = np.zeros(-(-F // EXPERT_WARPS) * T * K * EXPERT_WARPS * 32, np.uint32)  # a slot per thread
+    expert_gate_up(x_norm, chosen, res[AT + chosen], AT, slots_gu, host_gu, "Q4_1", h, ahead=(slots_down, host_down),
+                   ahead_out=ahead_out)
+    want = np.uint32(0)
+    for e in chosen.ravel():
+        want ^= read_ahead_ref(host_down[AT + e])
+    assert np.bitwise_xor.reduce(ahead_out) == want
 
 
 def test_an_expert_reads_the_same_bits_from_its_slot_as_from_the_host_copy():
@@ -116,21 +141,22 @@ def test_an_expert_reads_the_same_bits_from_its_slot_as_from_the_host_copy():
     outs = []
     for table_now in (np.full_like(res, -1), res):
         h = np.zeros((T, K, F), np.float32)
-        expert_gate_up(x_norm, chosen, table_now, AT, slots_gu, host_gu, "Q4_1", h)
+        expert_gate_up(x_norm, chosen, table_now[AT + chosen], AT, slots_gu, host_gu, "Q4_1", h)
         x = np.ones((T, D), np.float32)
-        expert_down(h, chosen, weights, table_now, AT, slots_down, host_down, "Q4_1", x)
+        expert_down(h, chosen, weights, table_now[AT + chosen], AT, slots_down, host_down, "Q4_1", x)
         outs.append((h, x))
     np.testing.assert_array_equal(outs[0][0], outs[1][0])
     np.testing.assert_array_equal(outs[0][1], outs[1][1])
     # and a slot that holds the wrong expert's bytes shows: the negative control
     slots_gu[0] = host_gu[AT + 1]
     h = np.zeros((T, K, F), np.float32)
-    expert_gate_up(x_norm, chosen, res, AT, slots_gu, host_gu, "Q4_1", h)
+    expert_gate_up(x_norm, chosen, res[AT + chosen], AT, slots_gu, host_gu, "Q4_1", h)
     assert not np.array_equal(h, outs[0][0])
 
 
 @pytest.mark.parametrize("qtype,n_slots", [("Q4_1", 2), ("F16", 0)])
-def test_expert_down_matches_the_reference(qtype, n_slots):
+@pytest.mark.parametrize("plain", [False, True], ids=["fast", "plain"])
+def test_expert_down_matches_the_reference(qtype, n_slots, plain):
     _, host_down, _, slots_down, res, chosen, weights, _ = experts_case(qtype, n_slots, seed=3)
     rng = np.random.default_rng(4)
     h = rng.standard_normal((T, K, F)).astype(np.float32)
@@ -139,8 +165,37 @@ def test_expert_down_matches_the_reference(qtype, n_slots):
     want = x0.copy()
     expert_down_ref(h, chosen, weights, res, AT, f_slots, f_host, want)
     got = x0.copy()
-    expert_down(h, chosen, weights, res, AT, slots_down, host_down, qtype, got)
+    expert_down(h, chosen, weights, res[AT + chosen], AT, slots_down, host_down, qtype, got, plain=plain)
     assert_within(got, want, down_tolerance(h, chosen, weights, lambda e: f_host[AT + e], want))
+
+
+@pytest.mark.parametrize("warps", [1, 2])
+def test_the_fast_down_kernel_walks_its_terms_across_experts_and_trips(warps):
+    """D = 10 outputs (the last thread block has 2 of its 4 rows) and F = 256 (32 parts an
+    expert): with one warp a thread's terms span both experts over two trips; with two,
+    the warps' sums meet in shared memory."""
+    d, f = 10, 256
+    rng = np.random.default_rng(8)
+    host_down = stacked(rng, "Q4_1", LAYERS * E, (d, f))
+    res = table(rng, 2)
+    slots_down = np.zeros((2, d, host_down.shape[2]), np.uint8)
+    for e in range(E):
+        if res[AT + e] >= 0:
+            slots_down[res[AT + e]] = host_down[AT + e]
+    chosen = np.array([[0, 3], [4, 0]], np.int32)
+    weights = np.array([[0.7, 0.3], [0.55, 0.45]], np.float32)
+    h = rng.standard_normal((2, K, f)).astype(np.float32)
+    x0 = rng.standard_normal((2, d)).astype(np.float32)
+    f_host = dq(host_down, "Q4_1")
+    want = x0.copy()
+    expert_down_ref(h, chosen, weights, res, AT, dq(slots_down, "Q4_1").reshape(2, d, f), f_host, want)
+    got = x0.copy()
+    ahead = rng.integers(0, 256, (8, 100), np.uint8)  # the next product's rows: 25 sectors
+    ahead_out = np.zeros(-(-d // 4) * warps * 32, np.uint32)
+    expert_down(h, chosen, weights, res[AT + chosen], AT, slots_down, host_down, "Q4_1", got, warps=warps, ahead=ahead,
+                ahead_out=ahead_out)
+    assert_within(got, want, down_tolerance(h, chosen, weights, lambda e: f_host[AT + e], want))
+    assert np.bitwise_xor.reduce(ahead_out) == read_ahead_ref(ahead)  # every sector read ahead, once
 
 
 def test_the_three_references_composed_are_the_spec():
@@ -162,7 +217,7 @@ def test_the_three_references_composed_are_the_spec():
     x_norm, chosen = np.zeros_like(x), np.zeros((n_tok, K), np.int32)
     weights, counts = np.zeros((n_tok, K), np.float32), np.zeros(LAYERS * E, np.int32)
     got = x.copy()
-    route_ref(got, norm, 1e-5, router, x_norm, chosen, weights, res, AT, counts, counts.copy())
+    route_ref(got, norm, 1e-5, router, x_norm, chosen, weights, np.zeros_like(chosen), res, AT, counts, counts.copy())
     h = np.zeros((n_tok, K, F), np.float32)
     expert_gate_up_ref(x_norm, chosen, res, AT, f_slots_gu, f_host_gu, h)
     expert_down_ref(h, chosen, weights, res, AT, f_slots_down, f_host_down, got)

@@ -32,12 +32,13 @@ def forward(be, w: ModelWeights, kv, ids, positions, prompt: bool, all_logits: b
         q, k, v = be.normed_matmul_rope(x, L.attn_norm, eps, L.wqkv, cos, sin, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
                                         ahead=L.wo, append=kv.append_to(layer, positions, prompt))
         a = kv.attend(layer, q, positions, prompt)  # (n, n_heads, hd)
-        be.matmul_add_(x, a.reshape(n, cfg.n_heads * cfg.head_dim), L.wo, ahead=L.wgate_up)  # x += a Wo
+        be.matmul_add_(x, a.reshape(n, cfg.n_heads * cfg.head_dim), L.wo,  # x += a Wo
+                       ahead=L.wgate_up if L.router is None else L.router)
         if L.router is None:  # a dense FFN
             gate_up = be.normed_matmul(x, L.ffn_norm, eps, L.wgate_up, ahead=L.wdown)  # (n, 2 ff)
             be.gated_matmul_add_(x, gate_up, L.wdown, ahead=after)  # x += swiglu(gate_up) Wdown
         else:  # experts: each token's K of E SwiGLU FFNs, weighted by the router, from the expert cache
-            be.moe_ffn_add_(x, L.ffn_norm, eps, L.router, w.experts, layer)
+            be.moe_ffn_add_(x, L.ffn_norm, eps, L.router, w.experts, layer, ahead=after)
     if not all_logits:
         x = x[n - 1:]
     return be.normed_matmul(x, w.output_norm, eps, w.output, ahead=w.layers[0].wqkv)  # the next step's first

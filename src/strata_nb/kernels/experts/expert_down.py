@@ -5,13 +5,23 @@
 Index legend: T tokens, K experts a token, D model dim, F one expert's FFN width. An
 expert's down matrix is (D, F), as llama.cpp's ffn_down_exps holds it.
 
-One warp computes one output d of one token as a single dot product of K F terms: row d
-of each chosen expert's down matrix, side by side, against the token's K h rows, each
-term scaled by its expert's weight. The lanes take parts across all K experts at once,
-so every lane is busy even when F is small (moefy's split experts are 192 wide: 24 parts)
-and the warp reduces once, not once an expert. Each x[t, d] has one writer, so there are
-no atomics, and the order of the sum never depends on where an expert's rows were read
-from. The grid is (D / warps per block, T).
+Two kernels, one spec. The plain one, `expert_down_kernel1`, is the one to read first: one
+warp computes one output d of one token as a single dot product of K F terms, row d of
+each chosen expert's down matrix side by side against the token's K h rows, each term
+scaled by its expert's weight. The lanes take parts across all K experts at once, so
+every lane is busy even when F is small (moefy's split experts are 192 wide: 24 parts)
+and the warp reduces once, not once an expert. Its grid is (D / warps per block, T).
+
+The engine runs `expert_down_kernel`, shaped as the dense matvec is (matvec_fused.py:
+"rows of W per thread block"): a thread block takes ROWS outputs at once and its threads
+split the K F terms of those rows between them, so each thread has one or two parts per
+row and the loads of all its rows are in flight together. In the plain kernel a lane
+walks six parts of one row in three rounds at the default shapes, each round a trip to
+memory that the next waits for; here a thread makes one trip for its four rows. Each
+thread's sum, then each warp's, then the warps' in order: the result does not depend on
+timing, or on where an expert's rows were read from.
+
+Each x[t, d] has one writer in both, so there are no atomics.
 
 Tolerance: the kernel's sum is the dot of the concatenated weighted h rows with the
 concatenated down rows, so matvec's `dot_tolerance` over K F terms bounds it (the weight
@@ -22,14 +32,15 @@ over K: (K + 2) u (|sum| + |x|).
 from __future__ import annotations
 
 import numpy as np
-from numba import cuda, float32, int32
+from numba import cuda, float32, int32, uint32
 
-from strata_nb.gpu.geometry import EXPERT_WARPS
-from strata_nb.gpu.launch import DeviceArgs, expect, stream
+from strata_nb.gpu.geometry import EXPERT_DOWN_WARPS, EXPERT_WARPS
+from strata_nb.gpu.launch import DeviceArgs, absent, expect, stream
 from strata_nb.gpu.reduce import WARP, warp_sum
 from strata_nb.kernels.dense.gguf_rows import PART, PARTS, QK, QTYPES, part_runs
 from strata_nb.kernels.dense.matvec import dot_tolerance
-from strata_nb.kernels.experts.expert_rows import MAX_USED, expect_table, expert_views, make_expert_part
+from strata_nb.kernels.dense.matvec_fused import AHEAD, ROWS, SECTOR, SUM_WARPS
+from strata_nb.kernels.experts.expert_rows import MAX_USED, expert_views, make_expert_part
 
 
 # --8<-- [start:expert_down_ref]
@@ -67,8 +78,8 @@ def down_tolerance(h, chosen, weights, down_of, x):
 # --8<-- [end:expert_down_ref]
 
 
-# --8<-- [start:expert_down_kernel]
-def make_expert_down_kernel(part, nibbles):
+# --8<-- [start:expert_down_kernel1]
+def make_expert_down_kernel1(part, nibbles):
     expert_part = make_expert_part(part)
 
     @cuda.jit(device=True)
@@ -82,13 +93,13 @@ def make_expert_down_kernel(part, nibbles):
         return acc
 
     @cuda.jit(cache=True)
-    def expert_down_kernel(h,               # (T, K, F) float32
-                           chosen,          # (T, K) int32
-                           weights,         # (T, K) float32
-                           res, at,         # (L * E,) int32, int32
-                           slot_a, slot_b,  # (N, D, *) views of the slot pool
-                           host_a, host_b,  # (L * E, D, *) views of the host copy
-                           x):              # (T, D) float32, added to
+    def expert_down_kernel1(h,               # (T, K, F) float32
+                            chosen,          # (T, K) int32
+                            weights,         # (T, K) float32
+                            slot_of, at,     # (T, K) int32: route's lookups; int32: layer * E
+                            slot_a, slot_b,  # (N, D, *) views of the slot pool
+                            host_a, host_b,  # (L * E, D, *) views of the host copy
+                            x):              # (T, D) float32, added to
         lane, warp = cuda.threadIdx.x % WARP, cuda.threadIdx.x // WARP
         o = cuda.blockIdx.x * (cuda.blockDim.x // WARP) + warp  # the output: row o of down
         t = cuda.blockIdx.y
@@ -98,11 +109,10 @@ def make_expert_down_kernel(part, nibbles):
         slot = cuda.shared.array(MAX_USED, int32)
         if cuda.threadIdx.x < k:
             index[cuda.threadIdx.x] = at + chosen[t, cuda.threadIdx.x]
-            slot[cuda.threadIdx.x] = res[index[cuda.threadIdx.x]]
+            slot[cuda.threadIdx.x] = slot_of[t, cuda.threadIdx.x]
         cuda.syncthreads()
         # Two parts a round, each into its own array, so both loads are in flight before
-        # either is used: a warp's time here is a chain of memory round trips, and this
-        # halves its length. The sum's order is still part q, then q + 32, ...
+        # either is used. The sum's order is still part q, then q + 32, ...
         w0 = cuda.local.array(PART, float32)
         w1 = cuda.local.array(PART, float32)
         acc = float32(0.0)
@@ -124,17 +134,110 @@ def make_expert_down_kernel(part, nibbles):
         if lane == 0 and o < d:
             x[t, o] += total
 
+    return expert_down_kernel1
+# --8<-- [end:expert_down_kernel1]
+
+
+# --8<-- [start:expert_down_kernel]
+def make_expert_down_kernel(part, nibbles, rows):
+    """The fast kernel: `rows` outputs a thread block, their K F terms split between its
+    threads (thread i: terms i, i + threads, ... of every row)."""
+    expert_part = make_expert_part(part)
+
+    @cuda.jit(cache=True)
+    def expert_down_kernel(h, chosen, weights, slot_of, at, slot_a, slot_b, host_a, host_b, x,  # as the plain kernel's
+                           ahead,      # (bytes,) uint8: the next matvec's W, flat, read into L2; size 0 = none
+                           ahead_out):  # (threads of the grid,) uint32: what each thread read ahead, or (0,)
+        i, n_threads = cuda.threadIdx.x, cuda.blockDim.x
+        lane, warp = i % WARP, i // WARP
+        o0, t = cuda.blockIdx.x * rows, cuda.blockIdx.y  # outputs o0 .. o0 + rows - 1 of token t
+        f, d, k = h.shape[2], x.shape[1], chosen.shape[1]
+        # Ahead, as matvec's kernels do ("Reading ahead" in matvec_fused.py): the first byte
+        # of AHEAD 32-byte sectors a thread of the next layer's q|k|v, so that launch finds
+        # its weights in L2. The first token's thread blocks read them; used at the end.
+        g = cuda.blockIdx.x * n_threads + i
+        n_sectors = (ahead.size + SECTOR - 1) // SECTOR
+        early = cuda.local.array(AHEAD, uint32)
+        for u in range(AHEAD):
+            sector = g + u * cuda.gridDim.x * n_threads
+            early[u] = uint32(ahead[sector * SECTOR]) if t == 0 and sector < n_sectors else uint32(0)
+        # The token's K lookups and weights, once for the thread block, in shared memory
+        index = cuda.shared.array(MAX_USED, int32)
+        slot = cuda.shared.array(MAX_USED, int32)
+        scale = cuda.shared.array(MAX_USED, float32)
+        if i < k:
+            index[i] = at + chosen[t, i]
+            slot[i] = slot_of[t, i]
+            scale[i] = weights[t, i]
+        cuda.syncthreads()
+        w = cuda.local.array((rows, PART), float32)  # one part of each of the block's rows
+        xs = cuda.local.array(PART, float32)  # the weighted h values that part multiplies
+        acc = cuda.local.array(rows, float32)  # this thread's partial sums
+        per_warp = cuda.shared.array((SUM_WARPS, rows), float32)  # each warp's sums
+        for j in range(rows):
+            acc[j] = float32(0.0)
+        parts = f // PART  # parts of one expert's row
+        # Term q of the K rows side by side is part q % parts of expert r = q // parts. The
+        # thread's first q is divided once; later ones step r and the part without a
+        # division (a 64-bit one by a runtime value is a long routine on a GPU).
+        r = i // parts
+        qe = i - r * parts
+        while r < k:
+            blk, p = qe // PARTS, qe % PARTS
+            for j in range(rows):
+                if o0 + j < d:
+                    expert_part(slot_a, slot_b, host_a, host_b, slot[r], index[r], o0 + j, blk, p, w[j])
+                else:  # past the last output: zeros, whose sums are never stored
+                    for v in range(PART):
+                        w[j, v] = float32(0.0)
+            lo, hi = part_runs(nibbles, p)
+            lo, hi = blk * QK + lo, blk * QK + hi
+            for v in range(4):  # 8 values of the expert's h row, weighted, each used for `rows` weights
+                xs[v] = scale[r] * h[t, r, lo + v]
+                xs[4 + v] = scale[r] * h[t, r, hi + v]
+            for j in range(rows):
+                total = acc[j]
+                for v in range(PART):
+                    total += w[j, v] * xs[v]
+                acc[j] = total
+            qe += n_threads
+            while qe >= parts and r < k:
+                qe -= parts
+                r += 1
+        # The threads' sums: within each warp by shuffles, then the warps' in warp order
+        for j in range(rows):
+            total = warp_sum(acc[j])  # every warp calls it: a barrier under the simulator
+            if lane == 0:
+                per_warp[warp, j] = total
+        cuda.syncthreads()
+        if i < rows and o0 + i < d:
+            total = float32(0.0)
+            for v in range(n_threads // WARP):
+                total += per_warp[v, i]
+            x[t, o0 + i] += total
+        read = uint32(0)  # the bytes read ahead are used, or the compiler would drop their loads
+        for u in range(AHEAD):
+            read ^= early[u]
+        if t == 0 and ahead_out.size > 0:
+            ahead_out[g] = read
+
     return expert_down_kernel
 
 
-EXPERT_DOWN_KERNELS = {qtype: make_expert_down_kernel(part, nibbles) for qtype, (part, _, _, nibbles) in QTYPES.items()}
+EXPERT_DOWN_KERNELS1 = {qtype: make_expert_down_kernel1(part, nibbles) for qtype, (part, _, _, nibbles) in QTYPES.items()}
+EXPERT_DOWN_KERNELS = {qtype: make_expert_down_kernel(part, nibbles, ROWS)
+                       for qtype, (part, _, _, nibbles) in QTYPES.items()}
 # --8<-- [end:expert_down_kernel]
 
 
-def expert_down(h, chosen, weights, res, at, slots, host, qtype, x):
+def expert_down(h, chosen, weights, slot_of, at, slots, host, qtype, x, plain: bool = False, warps: int | None = None,
+                ahead=None, ahead_out=None):
     """Like expert_down_ref, on the device, with the experts as their GGUF rows: slots
     (N, D, bytes) and host (L * E, D, bytes) uint8 of type qtype. NumPy arguments are
-    moved (x is written back)."""
+    moved (x is written back). plain: run expert_down_kernel1; warps: the fast kernel's
+    per thread block (default: a term of each row per thread, at most EXPERT_DOWN_WARPS;
+    tests set it under the simulator). ahead, ahead_out: the fast kernel reads ahead as
+    matvec does (its docstring)."""
     expect("x", x, np.float32, (None, None))
     n, d = x.shape
     expect("h", h, np.float32, (n, None, None))
@@ -142,12 +245,32 @@ def expert_down(h, chosen, weights, res, at, slots, host, qtype, x):
     expect("chosen", chosen, np.int32, (n, k))
     assert k <= MAX_USED, f"K = {k} experts a token; the kernel holds at most {MAX_USED}"
     expect("weights", weights, np.float32, (n, k))
-    expect_table(res, at)
+    expect("slot_of", slot_of, np.int32, (n, k))
+    assert at >= 0, f"layer's first entry {at} < 0"
     if n == 0 or d == 0:
         return
+    assert not plain or (ahead is None and ahead_out is None), "the plain kernel reads nothing ahead"
+    if not plain:
+        warps = min(EXPERT_DOWN_WARPS, -(-k * (f // PART) // WARP)) if warps is None else warps
+        assert 1 <= warps <= SUM_WARPS, f"{warps} warps a block; the kernel sums at most {SUM_WARPS}"
     with DeviceArgs() as dev:
         slot_a, slot_b = expert_views("slots", dev.read(slots), qtype, d, f)
         host_a, host_b = expert_views("host", dev.read(host), qtype, d, f)
-        EXPERT_DOWN_KERNELS[qtype][(-(-d // EXPERT_WARPS), n), EXPERT_WARPS * WARP, stream()](
-            dev.read(h), dev.read(chosen), dev.read(weights), dev.read(res), np.int32(at), slot_a, slot_b,
-            host_a, host_b, dev.write(x))
+        args = (dev.read(h), dev.read(chosen), dev.read(weights), dev.read(slot_of), np.int32(at), slot_a, slot_b, host_a,
+                host_b, dev.write(x))
+        if plain:
+            EXPERT_DOWN_KERNELS1[qtype][(-(-d // EXPERT_WARPS), n), EXPERT_WARPS * WARP, stream()](*args)
+            return
+        grid = (-(-d // ROWS), n)
+        if ahead is None:
+            ahead = absent((0,), np.uint8)
+        else:
+            expect("ahead", ahead, np.uint8, (None, None))
+            ahead = dev.read(ahead)
+            ahead = ahead.reshape(ahead.size)
+        if ahead_out is None:
+            ahead_out = absent((0,), np.uint32)
+        else:
+            expect("ahead_out", ahead_out, np.uint32, (grid[0] * warps * WARP,))
+            ahead_out = dev.write(ahead_out)
+        EXPERT_DOWN_KERNELS[qtype][grid, warps * WARP, stream()](*args, ahead, ahead_out)

@@ -8,9 +8,12 @@ ffn_gate_exps and ffn_up_exps hold them.
 
 Only the chosen experts' rows are read, from the slot or the host copy
 (expert_rows.py): at K of E experts a token, a step reads K/E of the layer's expert bytes.
-One warp computes one j for one (t, r): gate row j and up row j, each dotted with the
-token's normed row, then SwiGLU in the epilogue (one launch, no (T, K, 2F) intermediate).
-The grid is (F / warps per block, T * K).
+Where is route's `slot_of[t, r]`: the router looked the expert up. One warp computes one
+j for one (t, r): gate row j and up row j, each dotted with the token's normed row, then
+SwiGLU in the epilogue (one launch, no (T, K, 2F) intermediate). The grid is
+(F / warps per block, T * K). In a decode step or a verify window the kernel also reads
+each chosen expert's down matrix into L2 for expert_down, as matvec reads the next
+product's weights ahead.
 
 Tolerance: each dot as matvec's (`dot_tolerance`), then swiglu's 16 u. With the gate
 value g and the up value u each within its bound dg, du of the reference's, the product
@@ -21,15 +24,16 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import cuda, float32
+from numba import cuda, float32, uint32
 
 from strata_nb.gpu.geometry import EXPERT_WARPS
-from strata_nb.gpu.launch import DeviceArgs, expect, stream
+from strata_nb.gpu.launch import DeviceArgs, absent, expect, stream, view_bytes
 from strata_nb.gpu.reduce import WARP, warp_sum
 from strata_nb.kernels.dense.gguf_rows import PART, PARTS, QK, QTYPES, part_runs
 from strata_nb.kernels.dense.matvec import dot_tolerance
+from strata_nb.kernels.dense.matvec_fused import AHEAD, MAX_ROWS, SECTOR
 from strata_nb.kernels.dense.swiglu import swiglu_ref
-from strata_nb.kernels.experts.expert_rows import expect_table, expert_views, make_expert_part
+from strata_nb.kernels.experts.expert_rows import expert_views, make_expert_part
 
 
 # --8<-- [start:expert_gate_up_ref]
@@ -86,16 +90,35 @@ def make_expert_gate_up_kernel(part, nibbles):
     @cuda.jit(cache=True)
     def expert_gate_up_kernel(x_norm,           # (T, D) float32
                               chosen,           # (T, K) int32
-                              res, at,          # (L * E,) int32, int32
+                              slot_of, at,      # (T, K) int32: route's lookups; int32: layer * E
                               slot_a, slot_b,   # (N, 2F, *) views of the slot pool
                               host_a, host_b,   # (L * E, 2F, *) views of the host copy
-                              h):               # (T, K, F) float32, written
+                              h,                # (T, K, F) float32, written
+                              down_slots,       # (N, bytes) uint8: the slot pool's down matrices, flat
+                              down_host,        # (L * E, bytes) uint8: the host copy's; (0, 0) = no read ahead
+                              ahead_out):       # (threads of the grid,) uint32: what each read ahead, or (0,)
         lane, warp = cuda.threadIdx.x % WARP, cuda.threadIdx.x // WARP
         j = cuda.blockIdx.x * (cuda.blockDim.x // WARP) + warp  # gate row j and up row F + j
         t, r = cuda.blockIdx.y // chosen.shape[1], cuda.blockIdx.y % chosen.shape[1]
         f, d = h.shape[2], x_norm.shape[1]
         index = at + chosen[t, r]
-        slot = res[index]  # the lookup: where this expert's rows are read from
+        slot = slot_of[t, r]  # where this expert's rows are read from: route looked it up
+        # Ahead (matvec_fused.py, "Reading ahead"): the thread blocks of this choice read the
+        # first byte of each 32-byte sector of the expert's down matrix, AHEAD sectors a
+        # thread, so expert_down finds it in L2. Only for a step or a window (T <= MAX_ROWS):
+        # a prompt chunk's choices would read the same experts over and over.
+        g = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        early = cuda.local.array(AHEAD, uint32)
+        reading = down_host.shape[1] > 0 and h.shape[0] <= MAX_ROWS
+        n_sectors = (down_host.shape[1] + SECTOR - 1) // SECTOR
+        for u in range(AHEAD):
+            sector = g + u * cuda.gridDim.x * cuda.blockDim.x
+            early[u] = uint32(0)
+            if reading and sector < n_sectors:
+                if slot >= 0:
+                    early[u] = uint32(down_slots[slot, sector * SECTOR])
+                else:
+                    early[u] = uint32(down_host[index, sector * SECTOR])
         # Two parts of each row a round, four arrays: the gate and up rows' loads of both
         # parts are in flight before any is used. A warp's time here is a chain of memory
         # round trips; this makes it a quarter as long as one load at a time.
@@ -122,6 +145,11 @@ def make_expert_gate_up_kernel(part, nibbles):
         gate, up = warp_sum(gate), warp_sum(up)  # every warp calls them: a barrier under the simulator
         if lane == 0 and j < f:
             h[t, r, j] = gate / (float32(1.0) + math.exp(-gate)) * up
+        read = uint32(0)  # the bytes read ahead are used, or the compiler would drop their loads
+        for u in range(AHEAD):
+            read ^= early[u]
+        if ahead_out.size > 0:
+            ahead_out[cuda.blockIdx.y * cuda.gridDim.x * cuda.blockDim.x + g] = read
 
     return expert_gate_up_kernel
 
@@ -131,22 +159,39 @@ EXPERT_GATE_UP_KERNELS = {qtype: make_expert_gate_up_kernel(part, nibbles)
 # --8<-- [end:expert_gate_up_kernel]
 
 
-def expert_gate_up(x_norm, chosen, res, at, slots, host, qtype, h):
+def expert_gate_up(x_norm, chosen, slot_of, at, slots, host, qtype, h, ahead=None, ahead_out=None):
     """Like expert_gate_up_ref, on the device, with the experts as their GGUF rows: slots
     (N, 2F, bytes) and host (L * E, 2F, bytes) uint8 of type qtype (host: mapped memory
-    or a device array). NumPy arguments are moved (h is written back)."""
+    or a device array). NumPy arguments are moved (h is written back). ahead: the down
+    matrices (slots (N, D, bytes), host (L * E, D, bytes)) whose chosen experts' bytes are
+    read into L2 meanwhile; ahead_out: a uint32 array with a slot per thread of the grid,
+    given the XOR of the bytes each read."""
     expect("x_norm", x_norm, np.float32, (None, None))
     n, d = x_norm.shape
     expect("h", h, np.float32, (n, None, None))
     k, f = h.shape[1:]
     expect("chosen", chosen, np.int32, (n, k))
-    expect_table(res, at)
+    expect("slot_of", slot_of, np.int32, (n, k))
+    assert at >= 0, f"layer's first entry {at} < 0"
     if n == 0 or f == 0:
         return
     with DeviceArgs() as dev:
         slot_a, slot_b = expert_views("slots", dev.read(slots), qtype, 2 * f, d)
         host_a, host_b = expert_views("host", dev.read(host), qtype, 2 * f, d)
         grid = (-(-f // EXPERT_WARPS), n * k)
+        if ahead is None:
+            down_slots = down_host = absent((0, 0), np.uint8)
+        else:
+            for a in ahead:
+                expect("ahead", a, np.uint8, (None, None, None))
+            # each expert's matrix as one row of bytes (a mapped host copy wrapped first: view_bytes)
+            down_slots, down_host = (view_bytes(dev.read(a), np.uint8).reshape(a.shape[0], a.shape[1] * a.shape[2])
+                                     for a in ahead)
+        if ahead_out is None:
+            ahead_out = absent((0,), np.uint32)
+        else:
+            expect("ahead_out", ahead_out, np.uint32, (grid[0] * grid[1] * EXPERT_WARPS * WARP,))
+            ahead_out = dev.write(ahead_out)
         EXPERT_GATE_UP_KERNELS[qtype][grid, EXPERT_WARPS * WARP, stream()](
-            dev.read(x_norm), dev.read(chosen), dev.read(res), np.int32(at), slot_a, slot_b, host_a, host_b,
-            dev.write(h))
+            dev.read(x_norm), dev.read(chosen), dev.read(slot_of), np.int32(at), slot_a, slot_b, host_a, host_b,
+            dev.write(h), down_slots, down_host, ahead_out)

@@ -10,20 +10,30 @@ Index legend: T tokens, E experts (at most MAX_EXPERTS), D model dim, K experts 
 
 The chosen ids and weights stay in device memory: the expert kernels read them there, so
 a decode step captured into a CUDA graph (engine/decode_step.py) replays the same launches
-whichever experts the router picks. The kernel also counts, for the cache's policy and
+whichever experts the router picks. The router also looks each chosen expert up in the
+residency table once, `slot_of[t, r]` = its slot or -1, so the expert kernels read where
+its rows are without a lookup of their own. And it counts, for the cache's policy and
 its statistics, each lookup of an expert and whether it was a hit (resident in a slot):
 `lookups[layer * E + e]` and `hits[layer * E + e]` only ever grow, so the host can read
 them between steps and take differences (experts/cache.py).
 
-One thread block per token. Its threads first norm the token's row (as rmsnorm.py does)
-into shared memory, then each warp takes experts in turn and dots the normed row with the
-expert's router row (as matvec's plain kernel does a row of W). The softmax and top-K are
-small: every thread takes the max and the sum over the E logits, and each expert's thread
-works out its rank; then K threads write the choices and count them, in parallel. A
-decode step has one such block, and its time is a chain of memory round trips, so the
-kernel is shaped to keep the chain short: each warp's router row is read at the start,
-beside the token's row rather than after the norm; the normed row is kept in shared
-memory; no step waits on one thread's loop; the K writes go side by side.
+One thread block per token, in two kernels. The plain one, `route_kernel1`, reads as the
+maths does: its threads norm the token's row (as rmsnorm.py does) into shared memory,
+then each warp takes experts in turn and dots the normed row with the expert's router row
+(as matvec's plain kernel does a row of W). The softmax and top-K are small: every thread
+takes the max and the sum over the E logits, and each expert's thread works out its rank;
+then K threads write the choices and count them, in parallel.
+
+A decode step has one such block, and its time is a chain of round trips to memory and
+barriers, so `route_kernel`, the one the engine runs, shortens the chain:
+- every warp norms the row itself, from the x values it loads for its dot anyway, and
+  applies 1 / rms to the logit (as matvec's normed kernels do): no block-wide sum, and
+  the router rows, x and the norm weights are all loaded at once, two parts a round;
+- each expert's thread takes one exp and one division (its probability); the plain
+  kernel's threads take 2 E of them, each tens of instructions;
+- the residency lookups go out at the start, beside the loads, not after the choice;
+- the normed row for expert_gate_up is written at the end by the threads that write no
+  choice, while K threads write the choice.
 
 Tolerance: the ids must equal the reference's; the weights are within `weights_tolerance`
 (see there). Ids can differ only where two experts' probabilities are within the logits'
@@ -58,6 +68,7 @@ def route_ref(x,        # (T, D) float32: the residual stream
               x_norm,   # (T, D) float32, written: the experts' input
               chosen,   # (T, K) int32, written
               weights,  # (T, K) float32, written
+              slot_of,  # (T, K) int32, written: each chosen expert's slot, or -1 (the lookup)
               res,      # (L * E,) int32: expert at + e's slot, or -1
               at,       # int: this layer's first entry, layer * E
               lookups,  # (L * E,) int32: +1 for each token that chose the expert
@@ -65,6 +76,7 @@ def route_ref(x,        # (T, D) float32: the residual stream
     rmsnorm_ref(x, norm, eps, x_norm)
     c, w = moe_route_ref(x_norm, router, chosen.shape[1])
     chosen[...], weights[...] = c, w
+    slot_of[...] = res[at + c]
     entries = at + c.ravel()  # a token chooses an expert at most once
     np.add.at(lookups, entries, 1)
     np.add.at(hits, entries[res[entries] >= 0], 1)
@@ -81,19 +93,20 @@ def weights_tolerance(x_norm, router):
 # --8<-- [end:route_ref]
 
 
-# --8<-- [start:route_kernel]
+# --8<-- [start:route_kernel1]
 PRELOAD = 4  # parts of its router row a lane loads before the norm (all of them for D <= 1,024)
 
 
-def make_route_kernel(part, nibbles):
-    """The router kernel for one type of router row (its dequantizer `part`)."""
+def make_route_kernel1(part, nibbles):
+    """The plain router kernel for one type of router row (its dequantizer `part`)."""
 
     @cuda.jit(cache=True)
-    def route_kernel(x, norm, eps,   # (T, D) float32, (D,) float32, float32
+    def route_kernel1(x, norm, eps,   # (T, D) float32, (D,) float32, float32
                      ra, rb,         # (E, *) two views of the router's GGUF rows
                      x_norm,         # (T, D) float32, written
                      chosen,         # (T, K) int32, written
                      weights,        # (T, K) float32, written
+                     slot_of,        # (T, K) int32, written
                      res, at,        # (L * E,) int32, int32
                      lookups, hits):  # (L * E,) int32, counted
         t, tid = cuda.blockIdx.x, cuda.threadIdx.x
@@ -176,9 +189,130 @@ def make_route_kernel(part, nibbles):
                 kept += picked_p[r]
             chosen[t, tid] = e
             weights[t, tid] = picked_p[tid] / kept
+            slot = res[at + e]
+            slot_of[t, tid] = slot
             cuda.atomic.add(lookups, at + e, int32(1))
-            if res[at + e] >= 0:
+            if slot >= 0:
                 cuda.atomic.add(hits, at + e, int32(1))
+
+    return route_kernel1
+
+
+ROUTE_KERNELS1 = {qtype: make_route_kernel1(part, nibbles) for qtype, (part, _, _, nibbles) in QTYPES.items()}
+# --8<-- [end:route_kernel1]
+
+
+# --8<-- [start:route_kernel]
+def make_route_kernel(part, nibbles):
+    """The fast router kernel: every warp norms the row itself, so the logits wait for
+    no block-wide sum, and each expert's thread takes one exp, not 2 E."""
+
+    @cuda.jit(device=True)
+    def logit_terms(x, norm, t, q, w, dotted, squared, acc, squares):
+        """Part q of a router row (w) against the same 8 values of x * norm, added to acc if
+        dotted; those values of x squared, added to squares if squared."""
+        blk, pp = q // PARTS, q % PARTS
+        lo, hi = part_runs(nibbles, pp)
+        lo, hi = blk * QK + lo, blk * QK + hi
+        for j in range(4):
+            a, b = x[t, lo + j], x[t, hi + j]
+            if squared:
+                squares += a * a + b * b
+            if dotted:
+                acc += w[j] * (a * norm[lo + j]) + w[4 + j] * (b * norm[hi + j])
+        return acc, squares
+
+    @cuda.jit(cache=True)
+    def route_kernel(x, norm, eps, ra, rb, x_norm, chosen, weights, slot_of, res, at, lookups, hits):  # as route_kernel1's
+        t, tid = cuda.blockIdx.x, cuda.threadIdx.x
+        lane, warp, n_warps = tid % WARP, tid // WARP, cuda.blockDim.x // WARP
+        d, n_expert, k = x.shape[1], ra.shape[0], chosen.shape[1]
+        n_parts = d // PART
+        # Each expert's slot is looked up now, in flight with everything below: the thread of
+        # expert e holds it, and hands it over if e is chosen (no lookup after the choice)
+        my_slot = res[at + tid] if tid < n_expert else -1
+        # 1. One logit per expert, warp w taking experts w, w + n_warps, ... The norm is applied
+        # last, as matvec's normed kernels apply it: rmsnorm(x) . router = (1 / rms) ((x * norm)
+        # . router), and each warp sums the squares of x from the values it loads for its
+        # first expert (its lanes read every column once). So a warp's router row, x and
+        # norm loads are all out at once, and no barrier stands between them and the dot.
+        # Every warp sums the squares in the same order, so every warp has the same 1 / rms.
+        # Two parts of the row a round, each into its own array, so both parts' loads are in
+        # flight before either is used (as expert_gate_up does).
+        w0 = cuda.local.array(PART, float32)
+        w1 = cuda.local.array(PART, float32)
+        p = cuda.shared.array(MAX_EXPERTS, float32)  # (E,) logits
+        squares = float32(0.0)
+        inv = float32(0.0)
+        for first in range(0, n_expert, n_warps):
+            e = first + warp
+            acc = float32(0.0)
+            for q0 in range(lane, n_parts, 2 * WARP):
+                q1 = q0 + WARP
+                if e < n_expert:
+                    part(ra[e], rb[e], q0 // PARTS, q0 % PARTS, w0)
+                    if q1 < n_parts:
+                        part(ra[e], rb[e], q1 // PARTS, q1 % PARTS, w1)
+                acc, squares = logit_terms(x, norm, t, q0, w0, e < n_expert, first == 0, acc, squares)
+                if q1 < n_parts:
+                    acc, squares = logit_terms(x, norm, t, q1, w1, e < n_expert, first == 0, acc, squares)
+            if first == 0:
+                inv = inv_rms(warp_sum(squares), d, eps)  # every warp calls it: a barrier under the simulator
+            total = warp_sum(acc)
+            if lane == 0 and e < n_expert:
+                p[e] = total * inv
+        cuda.syncthreads()  # every logit is in
+        # 2. The softmax over all E and the top K: each expert's thread takes its exp (after the
+        # max, which every thread finds itself), then its probability (after the sum, which
+        # every thread adds in the same order: the same bits in every thread), then its
+        # rank among the probabilities. One exp a thread: an exp and a division are tens of
+        # instructions each, and E of them in every thread's loop cost more than two barriers.
+        ex = cuda.shared.array(MAX_EXPERTS, float32)  # (E,) exp(logit - max), then probabilities
+        if tid < n_expert:
+            top = p[0]
+            for e in range(1, n_expert):
+                top = max(top, p[e])
+            ex[tid] = math.exp(p[tid] - top)
+        cuda.syncthreads()
+        probs = cuda.shared.array(MAX_EXPERTS, float32)  # (E,) the probabilities
+        prob = float32(0.0)
+        if tid < n_expert:
+            total = float32(0.0)
+            for e in range(n_expert):
+                total += ex[e]
+            prob = ex[tid] / total
+            probs[tid] = prob
+        cuda.syncthreads()
+        picked = cuda.shared.array(MAX_USED, int32)  # (K,) the chosen ids, most probable first
+        picked_p = cuda.shared.array(MAX_USED, float32)  # (K,) their probabilities
+        picked_slot = cuda.shared.array(MAX_USED, int32)  # (K,) their slots
+        if tid < n_expert:
+            rank = 0
+            for o in range(n_expert):  # more probable, or as probable with a lower id
+                if probs[o] > prob or (probs[o] == prob and o < tid):
+                    rank += 1
+            if rank < k:
+                picked[rank], picked_p[rank], picked_slot[rank] = tid, prob, my_slot
+        cuda.syncthreads()
+        # 3. The writes and the cache's counting, one thread per chosen expert, in parallel;
+        # meanwhile the other threads write the experts' input for expert_gate_up (a
+        # strided share of the row each, from values still in L1)
+        if tid < k:
+            e = picked[tid]
+            kept = float32(0.0)  # the K probabilities' sum, in rank order
+            for r in range(k):
+                kept += picked_p[r]
+            chosen[t, tid] = e
+            weights[t, tid] = picked_p[tid] / kept
+            slot_of[t, tid] = picked_slot[tid]
+            cuda.atomic.add(lookups, at + e, int32(1))
+            if picked_slot[tid] >= 0:
+                cuda.atomic.add(hits, at + e, int32(1))
+        else:
+            j = tid - k
+            while j < d:
+                x_norm[t, j] = x[t, j] * inv * norm[j]
+                j += cuda.blockDim.x - k
 
     return route_kernel
 
@@ -187,26 +321,29 @@ ROUTE_KERNELS = {qtype: make_route_kernel(part, nibbles) for qtype, (part, _, _,
 # --8<-- [end:route_kernel]
 
 
-def route(x, norm, eps, raw, qtype, x_norm, chosen, weights, res, at, lookups, hits):
+def route(x, norm, eps, raw, qtype, x_norm, chosen, weights, slot_of, res, at, lookups, hits, plain: bool = False):
     """Like route_ref, on the device, with the router as its GGUF rows: raw (E, bytes)
-    uint8 of type qtype. NumPy arguments are moved (outputs written back)."""
+    uint8 of type qtype. NumPy arguments are moved (outputs written back). plain: run
+    route_kernel1."""
     expect("x", x, np.float32, (None, None))
     n, d = x.shape
     assert d <= MAX_DIM, f"D = {d}; the router kernel holds a row of at most {MAX_DIM}"
     expect("norm", norm, np.float32, (d,))
     expect("raw", raw, np.uint8, (None, row_bytes(qtype, d)))
     n_expert = raw.shape[0]
-    assert 1 <= n_expert <= MAX_EXPERTS, f"{n_expert} experts; the router kernel holds at most {MAX_EXPERTS}"
+    assert 1 <= n_expert <= min(MAX_EXPERTS, ROUTE_THREADS), \
+        f"{n_expert} experts; the router kernel holds at most {min(MAX_EXPERTS, ROUTE_THREADS)} (a thread each)"
     expect("x_norm", x_norm, np.float32, (n, d))
     expect("chosen", chosen, np.int32, (n, None))
     k = chosen.shape[1]
     assert 1 <= k <= min(n_expert, MAX_USED), f"K = {k} experts a token: 1 .. {min(n_expert, MAX_USED)}"
     expect("weights", weights, np.float32, (n, k))
+    expect("slot_of", slot_of, np.int32, (n, k))
     expect_table(res, at, n_expert, lookups=lookups, hits=hits)
     if n == 0:
         return
     with DeviceArgs() as dev:
         ra, rb = weight_views(dev.read(raw), qtype)
-        ROUTE_KERNELS[qtype][n, ROUTE_THREADS, stream()](
+        (ROUTE_KERNELS1 if plain else ROUTE_KERNELS)[qtype][n, ROUTE_THREADS, stream()](
             dev.read(x), dev.read(norm), np.float32(eps), ra, rb, dev.write(x_norm), dev.write(chosen),
-            dev.write(weights), dev.read(res), np.int32(at), dev.write(lookups), dev.write(hits))
+            dev.write(weights), dev.write(slot_of), dev.read(res), np.int32(at), dev.write(lookups), dev.write(hits))
