@@ -90,7 +90,7 @@ def test_the_window_gives_the_one_token_path_s_tokens_and_cells(kv, settings, mo
     got, eng, windows = run(model, prompt, WINDOW, kv, **settings)
     assert got == want
     counts = eng.last_stats.extra["spec"]
-    assert windows and counts["passes"] < len(got)  # the device window ran, and kept drafts
+    assert windows and counts["drafts_accepted"] > 0  # the device window ran, and kept drafts
     assert any(pos // BLOCK != (pos + n - 1) // BLOCK for pos, n in windows)  # a window crossed a block boundary
     end = N_PROMPT + len(got) - 1  # the cells both runs wrote: the last token is never appended
     assert differing_share(eng.kv.snapshot(end), step_eng.kv.snapshot(end), end) == 0  # bit for bit

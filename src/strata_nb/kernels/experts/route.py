@@ -267,7 +267,7 @@ def make_route_kernel(part, nibbles):
         # every thread adds in the same order: the same bits in every thread), then its
         # rank among the probabilities. One exp a thread: an exp and a division are tens of
         # instructions each, and E of them in every thread's loop cost more than two barriers.
-        ex = cuda.shared.array(MAX_EXPERTS, float32)  # (E,) exp(logit - max), then probabilities
+        ex = cuda.shared.array(MAX_EXPERTS, float32)  # (E,) exp(logit - max)
         if tid < n_expert:
             top = p[0]
             for e in range(1, n_expert):
