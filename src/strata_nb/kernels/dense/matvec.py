@@ -188,6 +188,22 @@ def matvec_grid(n_out: int, n_in: int, warps: int | None = None) -> tuple[int, i
     return min(-(-n_out // ROWS), MAX_BLOCKS), warps * WARP
 
 
+def ahead_arrays(dev, ahead, ahead_out, grid_threads: int):
+    """A launch's read-ahead arguments on the device: `ahead` (out, bytes) uint8 rows as
+    one flat row (size 0: none), and `ahead_out` a uint32 slot per thread of the grid
+    (size 0: not reported)."""
+    if ahead is None:
+        ahead = absent((0,), np.uint8)
+    else:
+        expect("ahead", ahead, np.uint8, (None, None))
+        ahead = dev.read(ahead)
+        ahead = ahead.reshape(ahead.size)
+    if ahead_out is None:
+        return ahead, absent((0,), np.uint32)  # never written
+    expect("ahead_out", ahead_out, np.uint32, (grid_threads,))
+    return ahead, dev.write(ahead_out)
+
+
 def matvec(x, raw, qtype, y, norm=None, eps=0.0, swiglu=False, add=False, rope=None, append=None,
            warps: int | None = None, ahead=None, ahead_out=None):
     """Like matvec_ref, on the device, for 1..8 rows of x. NumPy arguments are moved (y is
@@ -242,17 +258,8 @@ def matvec(x, raw, qtype, y, norm=None, eps=0.0, swiglu=False, add=False, rope=N
             angles, rope_rows, hd = (x, x), 0, 0
         else:
             angles, rope_rows = (dev.read(cos), dev.read(sin)), (n_heads + n_kv) * hd
-        if ahead is None:
-            ahead = absent((0,), np.uint8)
-        else:
-            expect("ahead", ahead, np.uint8, (None, None))
-            ahead = dev.read(ahead)
-            ahead = ahead.reshape(ahead.size)
-        if ahead_out is None:
-            ahead_out, report = absent((0,), np.uint32), 0  # never written
-        else:
-            expect("ahead_out", ahead_out, np.uint32, (blocks * threads,))
-            ahead_out, report = dev.write(ahead_out), 1
+        ahead, ahead_out = ahead_arrays(dev, ahead, ahead_out, blocks * threads)
+        report = 1 if ahead_out.size else 0
         if append is None:  # unread: any arrays of the types the kernel takes
             cell = absent((0,), np.int32), absent((0,), np.int32), *(absent((0, 1, 1, 1), np.float32),) * 4
         else:

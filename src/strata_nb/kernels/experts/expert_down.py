@@ -35,10 +35,10 @@ import numpy as np
 from numba import cuda, float32, int32, uint32
 
 from strata_nb.gpu.geometry import EXPERT_DOWN_WARPS, EXPERT_WARPS
-from strata_nb.gpu.launch import DeviceArgs, absent, expect, stream
+from strata_nb.gpu.launch import DeviceArgs, expect, stream
 from strata_nb.gpu.reduce import WARP, warp_sum
 from strata_nb.kernels.dense.gguf_rows import PART, PARTS, QK, QTYPES, part_runs
-from strata_nb.kernels.dense.matvec import dot_tolerance
+from strata_nb.kernels.dense.matvec import ahead_arrays, dot_tolerance
 from strata_nb.kernels.dense.matvec_fused import AHEAD, ROWS, SECTOR, SUM_WARPS
 from strata_nb.kernels.experts.expert_rows import MAX_USED, expert_views, make_expert_part
 
@@ -262,15 +262,5 @@ def expert_down(h, chosen, weights, slot_of, at, slots, host, qtype, x, plain: b
             EXPERT_DOWN_KERNELS1[qtype][(-(-d // EXPERT_WARPS), n), EXPERT_WARPS * WARP, stream()](*args)
             return
         grid = (-(-d // ROWS), n)
-        if ahead is None:
-            ahead = absent((0,), np.uint8)
-        else:
-            expect("ahead", ahead, np.uint8, (None, None))
-            ahead = dev.read(ahead)
-            ahead = ahead.reshape(ahead.size)
-        if ahead_out is None:
-            ahead_out = absent((0,), np.uint32)
-        else:
-            expect("ahead_out", ahead_out, np.uint32, (grid[0] * warps * WARP,))
-            ahead_out = dev.write(ahead_out)
+        ahead, ahead_out = ahead_arrays(dev, ahead, ahead_out, grid[0] * warps * WARP)
         EXPERT_DOWN_KERNELS[qtype][grid, warps * WARP, stream()](*args, ahead, ahead_out)
