@@ -21,6 +21,10 @@ if not ON_GPU:
     # The simulator runs each CUDA thread as a Python thread; switching often makes it
     # about 7x faster on small grids.
     sys.setswitchinterval(1e-4)
+    # Its barriers wake the waiting threads instead of polling them (tests/sim_barriers.py).
+    import sim_barriers
+
+    sim_barriers.install()
 
 import pytest  # noqa: E402
 
