@@ -16,6 +16,9 @@ from pathlib import Path
 
 ON_GPU = os.environ.get("STRATA_NB_GPU") == "1"
 ALL_TIERS = os.environ.get("STRATA_NB_TESTS") == "all"
+if ON_GPU:
+    # every launch packed both ways, gpu/fast_launch.py's and Numba's, and compared
+    os.environ.setdefault("STRATA_NB_FAST_LAUNCH", "check")
 if not ON_GPU:
     os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
     # The simulator runs each CUDA thread as a Python thread; switching often makes it

@@ -15,10 +15,11 @@ from contextlib import contextmanager
 import numpy as np
 from numba import config, cuda, int32
 
-from strata_nb.gpu import device_memory
+from strata_nb.gpu import device_memory, fast_launch
 from strata_nb.kv_layout import BLOCK, PoolArray
 
 device_memory.install()  # launchers' outputs reuse freed device memory (gpu/device_memory.py)
+fast_launch.install()  # kernel[...] packs its arguments itself after its first launch (gpu/fast_launch.py)
 
 THREADS = 128  # threads per block for the lane-per-thread kernels: a multiple of the warp
 # A decode step's kernels are small by nature (one token, 3 KV heads): Numba's warning
@@ -151,10 +152,15 @@ def grid_for(lanes: int) -> tuple:
 
 def expect(name: str, a, dtype, shape: tuple) -> None:
     """Assert a's dtype, shape (None = any extent) and C layout, naming it in the message."""
-    want = "(" + ", ".join("*" if s is None else str(s) for s in shape) + ")"
-    ok = (a.dtype == dtype and len(a.shape) == len(shape)
-          and all(s is None or s == t for s, t in zip(shape, a.shape)))
-    assert ok, f"{name} is {tuple(a.shape)} {a.dtype}, want {want} {np.dtype(dtype)}"
+    got = a.shape
+    ok = a.dtype == dtype and len(got) == len(shape)
+    if ok:
+        for s, t in zip(shape, got):
+            if s is not None and s != t:
+                ok = False
+    if not ok:  # the message is made only for a failure: launchers call this a few times a launch
+        want = "(" + ", ".join("*" if s is None else str(s) for s in shape) + ")"
+        raise AssertionError(f"{name} is {tuple(got)} {a.dtype}, want {want} {np.dtype(dtype)}")
     # flags["C_CONTIGUOUS"] is the spelling NumPy, mapped and device arrays all answer
     assert a.flags["C_CONTIGUOUS"], f"{name} must be C-contiguous"
 
