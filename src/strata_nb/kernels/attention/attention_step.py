@@ -265,7 +265,7 @@ def make_attention_step_kernel(read_k, read_v, G, D, per_split):
         i, kv_h, split = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
         t = cuda.threadIdx.x  # of N_THREADS: the launch gives that many
         warp, lane = t // WARP, t % WARP
-        n_splits = records.shape[2]
+        n_splits = cuda.gridDim.z
         pos = q_pos[i]
         q_g = cuda.shared.array(Q_VALUES, float32)  # q_g[g * D + j]: head kv_h * G + g
         k_tile = cuda.shared.array(K_TILE_VALUES, float32)  # k_tile[c * (D + 1) + j]: cell c of the split
@@ -433,9 +433,12 @@ def make_attention_step_kernel(read_k, read_v, G, D, per_split):
 
         # --8<-- [start:step_merge]
         # The merge, by the last block: each split's sums rescaled to the largest max. A
-        # split that saw no cell has m = -inf and l = sums = 0: weight 0. First each head's
-        # max, and the end of the splits that saw anything (a short context in a long list
-        # leaves most of them empty), one warp per head.
+        # split that saw no cell has m = -inf and l = sums = 0: weight 0. One warp per head
+        # reads every split's max, finds the head's max and the end of the splits that saw
+        # anything (a short context in a long list leaves most of them empty), then weighs
+        # each split up to that end (its max again, now from L1) and adds the weighted sums
+        # of weights: no barrier between the two passes.
+        split_w = k_tile  # the tiles are done with: split s's weight for head g at [g * n_splits + s]
         for g0 in range(0, G, N_WARPS):
             g = g0 + warp
             m, last_seen = NEG_INF, float32(0.0)
@@ -447,29 +450,25 @@ def make_attention_step_kernel(read_k, read_v, G, D, per_split):
                         last_seen = float32(s + 1)
             m = warp_max(m)
             last_seen = warp_max(last_seen)  # a float: the warp reductions take float32
+            l = float32(0.0)
+            if g < G:
+                for s in range(lane, n_splits, WARP):
+                    w = float32(0.0)
+                    if s < last_seen:  # past it every split's weight is 0: no loads
+                        m_s = records[i, kv_h, s, g, D]
+                        if m_s > NEG_INF:
+                            w = math.exp(m_s - m)
+                            l += records[i, kv_h, s, g, D + 1] * w
+                    split_w[g * n_splits + s] = w
+            l = warp_sum(l)
             if g < G and lane == 0:
-                top[g], seen_end[g] = m, int(last_seen)
+                top[g], seen_end[g], total[g] = m, int(last_seen), l
         cuda.syncthreads()
         unit = LANES * MERGE_UNROLL
         end = 0
         for g in range(G):
             end = max(end, seen_end[g])
         end = -(-end // unit) * unit  # whole rounds: n_splits is a multiple of unit
-        split_w = k_tile  # the tiles are done with: split s's weight for head g at [g * n_splits + s]
-        for g in range(G):
-            for s in range(t, n_splits, N_THREADS):
-                m = records[i, kv_h, s, g, D] if s < end else NEG_INF
-                split_w[g * n_splits + s] = math.exp(m - top[g]) if m > NEG_INF else float32(0.0)
-        cuda.syncthreads()
-        for g0 in range(0, G, N_WARPS):
-            g = g0 + warp
-            l = float32(0.0)
-            if g < G:
-                for s in range(lane, end, WARP):
-                    l += records[i, kv_h, s, g, D + 1] * split_w[g * n_splits + s]
-            l = warp_sum(l)
-            if g < G and lane == 0:
-                total[g] = l
         # Thread (lane_s, d) adds every LANES-th split for all G heads, MERGE_UNROLL splits
         # at a time: their loads go out together.
         for e in range(t, LANES * D, N_THREADS):
