@@ -5,7 +5,9 @@ with ours and the ratios are checked without llama.cpp. The stand-in also record
 command line, so the KV types sent for each format are checked."""
 import json
 import stat
+import statistics
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -90,6 +92,39 @@ def test_bench_runs_llama_bench_beside_its_rows(tiny_model, tmp_path, capsys):
     md = (out / "bench.md").read_text()
     assert "## Against llama.cpp" in md and "| fp16 | 64 | llama.cpp K f16 V f16 |" in md
     assert "llama.cpp abc1234 (42)" in table(result)
+
+
+REAL = '''#!{python}
+import json, sys
+args = sys.argv[1:]
+recorded = json.load(open({fixture!r}))
+expected = recorded["prefill_args"] if args[args.index("-n") + 1] == "0" else recorded["decode_args"]
+if args[2:] != expected:  # after -m MODEL: the arguments the recording was made with
+    sys.stderr.write("not the recorded arguments: " + " ".join(args) + "\\n")
+    sys.exit(2)
+print(json.dumps(recorded["prefill" if expected is recorded["prefill_args"] else "decode"]))
+'''
+
+
+def test_rows_from_a_real_llama_bench_s_output(tmp_path):
+    """What a real llama-bench printed (tests/fixtures/llama_bench_output.json: its JSON for
+    the two commands llama_rows sends, k8v4's cache types, depths 64 and 256) is replayed by
+    a script that also checks it is sent the recorded arguments: the fields the rows read
+    are where the stand-in above puts them."""
+    fixture = Path(__file__).parent / "fixtures" / "llama_bench_output.json"
+    recorded = json.loads(fixture.read_text())
+    path = tmp_path / "llama-bench"
+    path.write_text(REAL.format(python=sys.executable, fixture=str(fixture)))
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    said = []
+    rows = llama_rows(str(path), "m.gguf", ["k8v4"], [64, 256], 2, 8, said.append)
+    assert [r.get("error") for r in rows] == [None, None], said
+    for row, pp, tg in zip(rows, recorded["prefill"], recorded["decode"]):
+        assert row["depth"] == pp["n_prompt"] == tg["n_depth"]
+        assert row["prefill_tok_s"] == statistics.median(pp["samples_ts"])
+        assert row["decode_tok_s"] == statistics.median(tg["samples_ts"])
+        assert row["build"] == f"{pp['build_commit']} ({pp['build_number']})"
+        assert row["peer"] == "llama.cpp K q8_0 V q4_0"
 
 
 @pytest.mark.parametrize("make, message", [
