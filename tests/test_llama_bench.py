@@ -2,7 +2,8 @@
 script that answers the arguments it is given as llama-bench's JSON does (prompt
 processing of each -p, generation of -n tokens at each -d), so the rows, their pairing
 with ours and the ratios are checked without llama.cpp. The stand-in also records each
-command line, so the KV types sent for each format are checked."""
+command line, so the KV types sent for each format are checked. A real llama-bench's
+output (tests/fixtures/llama_bench_output.json) is replayed too."""
 import json
 import stat
 import statistics
@@ -24,6 +25,9 @@ if {fail!r}:
     sys.stderr.write("loading model\\nerror: unknown cache type\\n")
     sys.exit(1)
 val = lambda flag: args[args.index(flag) + 1]
+if {fallback!r} and val("-ctk") != val("-ctv") and "-d" in args:  # as a CUDA build without the pair's kernel
+    sys.stderr.write("ggml_cuda_flash_attn_ext_vec: no FlashAttention vector kernel compiled for K/V types "
+                     "q8_0-q4_0, converting K and V to f16 instead (slow).\\n")
 prompts, gen = [int(x) for x in val("-p").split(",")], int(val("-n"))
 depths = [int(x) for x in val("-d").split(",")] if "-d" in args else [0]
 tests = []
@@ -39,9 +43,9 @@ print(json.dumps(tests))
 '''
 
 
-def fake(tmp_path, fail=False):
+def fake(tmp_path, fail=False, fallback=False):
     path, log = tmp_path / "llama-bench", tmp_path / "calls.jsonl"
-    path.write_text(FAKE.format(python=sys.executable, log=str(log), fail=fail))
+    path.write_text(FAKE.format(python=sys.executable, log=str(log), fail=fail, fallback=fallback))
     path.chmod(path.stat().st_mode | stat.S_IXUSR)
     return str(path), log
 
@@ -67,6 +71,16 @@ def test_a_failing_binary_is_an_error_row_not_a_crash(tmp_path):
     assert rows == [{"peer": "llama.cpp K q8_0 V q8_0", "fmt": "int8",
                      "error": "llama-bench exited 1: error: unknown cache type"}]
     assert "exited 1" in said[0]
+
+
+def test_a_build_that_converts_the_cache_to_f16_gives_an_error_row_not_a_rate(tmp_path):
+    binary, _ = fake(tmp_path, fallback=True)
+    said = []
+    rows = llama_rows(binary, "m.gguf", ["fp16", "k8v4"], [64], 1, 8, said.append)
+    assert "error" not in rows[0] and rows[0]["decode_tok_s"] > 0  # f16-f16 has its kernel
+    assert rows[1]["fmt"] == "k8v4" and "decode_tok_s" not in rows[1]
+    assert "no FlashAttention kernel for K q8_0 V q4_0" in rows[1]["error"]
+    assert "-DGGML_CUDA_FA_QUANTS=f16-f16,q8_0-q8_0,q4_0-q4_0,q8_0-q4_0" in rows[1]["error"]
 
 
 def test_ratios_are_ours_over_llama_cpp_s_for_the_resident_rows():

@@ -10,7 +10,8 @@ samples, as ours are.
 
 The KV formats map onto llama.cpp's cache types: fp16 is f16/f16, int8 q8_0/q8_0, q4_0
 q4_0/q4_0, and k8v4 (INT8 K, rotated Q4_0 V) q8_0 K with q4_0 V, the same bytes a cell
-without the rotation.
+without the rotation. A build without the decode kernel for a pair says so on stderr and
+converts the cache to f16; that row is an error, not a rate.
 """
 from __future__ import annotations
 
@@ -23,6 +24,11 @@ from pathlib import Path
 from ..errors import StrataError
 
 KV_TYPES = {"fp16": ("f16", "f16"), "int8": ("q8_0", "q8_0"), "q4_0": ("q4_0", "q4_0"), "k8v4": ("q8_0", "q4_0")}
+# A CUDA build compiles FlashAttention's decode kernel only for the K-V type pairs in
+# GGML_CUDA_FA_QUANTS (f16-f16, q8_0-q8_0, q4_0-q4_0 and bf16-bf16 by default): for any
+# other pair it warns once and converts K and V to f16 every step.
+FA_QUANTS = ",".join(dict.fromkeys(f"{k}-{v}" for k, v in KV_TYPES.values()))
+FALLBACK = "no FlashAttention vector kernel compiled"
 
 
 def check_binary(path: str) -> str:
@@ -51,6 +57,10 @@ def _tests(binary: str, model: str, fmt: str, runs: int, tests: list[str]) -> li
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["no message"])[-1]
         raise StrataError(f"llama-bench exited {done.returncode}: {last}")
+    if FALLBACK in done.stderr:  # its rate would be the conversion's, not the format's
+        k, v = KV_TYPES[fmt]
+        raise StrataError(f"this llama.cpp build has no FlashAttention kernel for K {k} V {v} and converts them "
+                          f"to f16 (slow); build it with -DGGML_CUDA_FA_QUANTS={FA_QUANTS} (docs/gpu/running.md)")
     try:
         out = json.loads(done.stdout)
         return [t for t in out if isinstance(t, dict) and "avg_ts" in t]
