@@ -23,6 +23,30 @@ def test_run_reads_stdin_and_prints_stats(tiny_model, capsys, monkeypatch):
     assert "prompt tokens: 10" in err and "prefill:" in err and "decode:" in err
 
 
+def test_stats_say_when_the_first_token_came(tiny_model, capsys, monkeypatch):
+    """The first token's time counts from the command's start (in a test: main's call), the
+    model's load included: at least the load, at most the command's wall time."""
+    import re
+    import time
+
+    from strata_nb import Engine
+
+    real_load = Engine.load.__func__
+
+    def slow_load(cls, *args, **kwargs):  # a load that takes a known 0.3 s at least
+        time.sleep(0.3)
+        return real_load(cls, *args, **kwargs)
+
+    monkeypatch.setattr(Engine, "load", classmethod(slow_load))
+    began = time.monotonic()
+    code, out, err = run_cli(["run", "--model", tiny_model, "--max-tokens", "3", "--stats", "hi"], capsys)
+    wall = time.monotonic() - began
+    assert code == 0, err
+    first = re.search(r"first token: ([0-9.]+) s after the command started", err)
+    assert first is not None, err
+    assert 0.3 <= float(first.group(1)) <= wall + 0.005  # printed to 0.01 s
+
+
 @pytest.mark.parametrize("made, says", [((3, 5), "(3 kernels compiled, 5 kernels loaded from the cache"),
                                          ((0, 7), "(7 kernels loaded from the cache")])
 def test_stats_say_which_kernels_were_compiled_and_which_loaded(made, says, tiny_model, capsys, monkeypatch):

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import sys
+import time
 
 import click
 
@@ -111,10 +113,13 @@ def run(prompt, max_tokens, temperature, top_k, top_p, seed, raw, stats, **engin
         if bar.n == bar.total:
             bar.close()
 
+    first_token = None  # seconds from the start (started()) to the first token's text
     try:
         for piece in eng.generate_ids(ids, sampling, on_prefill=prefilled):
             sys.stdout.write(piece)
             sys.stdout.flush()
+            if first_token is None:
+                first_token = time.monotonic() - _STARTED
     finally:
         bar.close()
     sys.stdout.write("\n")
@@ -127,6 +132,8 @@ def run(prompt, max_tokens, temperature, top_k, top_p, seed, raw, stats, **engin
         warm += [f"the first {WARM_STEPS} decode steps"] if s.decode_steps and s.generated_tokens - 1 > WARM_STEPS else []
         click.echo(f"load: {s.load_seconds:.2f} s, warm-up: {s.warmup_seconds:.2f} s" + (f" ({', '.join(warm)})"
                    if warm else ""), err=True)
+        if first_token is not None:
+            click.echo(f"first token: {first_token:.2f} s after {_START_NAME} (the model's load included)", err=True)
         click.echo(f"prompt tokens: {s.prompt_tokens}, prefill: {s.prefill_tok_s:.1f} tok/s, "
                    f"generated: {s.generated_tokens}, decode: {s.decode_tok_s:.1f} tok/s over {s.decode_steps} steps "
                    f"({s.finish_reason})", err=True)
@@ -566,10 +573,30 @@ def probe_cmd(ctx, url, api_key, timeout, as_json, out, **settings):
     ctx.exit(0 if result["passed"] else 1)
 
 
+def process_age() -> float | None:
+    """Seconds since this process started (Linux: /proc), or None where that is unknown."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+_STARTED, _START_NAME = time.monotonic(), "the command started"
+
+
 def main(argv=None):
     """Entry point: user mistakes print one line and exit 2; bugs keep their traceback."""
-    global _ARGV
+    global _ARGV, _STARTED, _START_NAME
     _ARGV = list(sys.argv[1:] if argv is None else argv)
+    # --stats' first token counts from the process's start when this is the program (Python's
+    # start-up and imports included), else (a test calling main) from this call
+    age = process_age() if argv is None else None
+    _STARTED = time.monotonic() - (age or 0.0)
+    _START_NAME = "the process started" if age is not None else "the command started"
     try:
         rv = cli.main(args=argv, prog_name="strata-nb", standalone_mode=False)
     except click.exceptions.UsageError as err:
