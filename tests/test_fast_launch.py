@@ -85,6 +85,13 @@ CHILD = textwrap.dedent(r"""
         theirs = numba_packs(v)
         if fl._as_comparable(ours) != fl._as_comparable(theirs) or list(map(type, ours)) != list(map(type, theirs)):
             failures.append(f"{name}: packed {ours}, Numba {theirs}")
+    # launch dimensions as Numba takes them: ints, NumPy ints, tuples and lists of either
+    for key, want in [((4, 128), (4, 128)), ((np.int64(4), np.int32(128)), (4, 128)),
+                      (((2, np.int64(3)), [128]), ((2, 3), (128,))), ((4, 128, 0, 256), (4, 128))]:
+        dims = fl._getitem(None, key).dims
+        plain = all(type(v) is int for d in dims[:2] for v in (d if isinstance(d, tuple) else (d,)))
+        if dims[:2] != want or not plain:
+            failures.append(f"launch dimensions {key!r} became {dims!r}")
     print("\n".join(failures) if failures else "ok")
 """)
 

@@ -21,6 +21,7 @@ driver: there every launch is Numba's own.
 from __future__ import annotations
 
 import ctypes
+import numbers
 import os
 
 import numpy as np
@@ -208,8 +209,10 @@ def _getitem(self, key):
     grid, block = key[0], key[1]
     stream = key[2] if len(key) > 2 else 0
     shared = key[3] if len(key) > 3 else 0
-    return FastLaunch(self, (grid if isinstance(grid, int) else tuple(grid),
-                             block if isinstance(block, int) else tuple(block), shared), stream)
+    # a dimension is an integer (NumPy's too, as Numba takes it) or a sequence of them
+    return FastLaunch(self, (int(grid) if isinstance(grid, numbers.Integral) else tuple(map(int, grid)),
+                             int(block) if isinstance(block, numbers.Integral) else tuple(map(int, block)), shared),
+                      stream)
 
 
 def install():
