@@ -6,6 +6,10 @@ replaces, not across two runs (or two machines) whose clocks and neighbours diff
 
     STRATA_NB_GPU=1 python tools/kernel_ab.py attention_step HEAD~1
     STRATA_NB_GPU=1 python tools/kernel_ab.py matvec_fused path/to/old_matvec_fused.py
+    STRATA_NB_GPU=1 python tools/kernel_ab.py attention_step HEAD variant_a.py variant_b.py
+
+Files after the first are more versions, timed in the same rounds (variants of one idea
+in one device call); outputs are compared with the first's.
 
 Modules it knows how to drive (FILES: the kernel file each compares), on the default
 model's shapes with random bytes for K/V and weights (the times depend on the shapes only):
@@ -192,14 +196,15 @@ CASES = {"attention_step": attention_step_cases, "attention_prefill": attention_
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 2 or argv[0] not in CASES:
+    if len(argv) < 2 or argv[0] not in CASES or not all(Path(p).is_file() for p in argv[2:]):
         print(__doc__, file=sys.stderr)
         return 2
-    module, against = argv
+    module, against, more = argv[0], argv[1], argv[2:]
     with tempfile.TemporaryDirectory() as tmp:
         old = old_source(module, against, Path(tmp))
-        versions = {against: load(f"{module}_ab0", old),
-                    "working tree": load(f"{module}_ab1", ROOT / "src/strata_nb/kernels" / FILES[module])}
+        files = [(against, old), ("working tree", ROOT / "src/strata_nb/kernels" / FILES[module])]
+        files += [(Path(p).stem, Path(p)) for p in more]
+        versions = {name: load(f"{module}_ab{i}", path) for i, (name, path) in enumerate(files)}
         CASES[module](versions)
     return 0
 
