@@ -113,7 +113,7 @@ def run(prompt, max_tokens, temperature, top_k, top_p, seed, raw, stats, **engin
         if bar.n == bar.total:
             bar.close()
 
-    first_token = None  # seconds from the start (started()) to the first token's text
+    first_token = None  # seconds from _STARTED (set by main) to the first token's text
     try:
         for piece in eng.generate_ids(ids, sampling, on_prefill=prefilled):
             sys.stdout.write(piece)

@@ -265,7 +265,7 @@ def make_attention_step_kernel(read_k, read_v, G, D, per_split):
         i, kv_h, split = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
         t = cuda.threadIdx.x  # of N_THREADS: the launch gives that many
         warp, lane = t // WARP, t % WARP
-        n_splits = cuda.gridDim.z
+        n_splits = cuda.gridDim.z  # a thread block per split: records.shape[2]
         pos = q_pos[i]
         q_g = cuda.shared.array(Q_VALUES, float32)  # q_g[g * D + j]: head kv_h * G + g
         k_tile = cuda.shared.array(K_TILE_VALUES, float32)  # k_tile[c * (D + 1) + j]: cell c of the split
