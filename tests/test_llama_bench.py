@@ -43,11 +43,17 @@ print(json.dumps(tests))
 '''
 
 
-def fake(tmp_path, fail=False, fallback=False):
-    path, log = tmp_path / "llama-bench", tmp_path / "calls.jsonl"
-    path.write_text(FAKE.format(python=sys.executable, log=str(log), fail=fail, fallback=fallback))
+def executable(tmp_path, text):
+    """A script at tmp_path/llama-bench that runs as a binary would."""
+    path = tmp_path / "llama-bench"
+    path.write_text(text)
     path.chmod(path.stat().st_mode | stat.S_IXUSR)
-    return str(path), log
+    return str(path)
+
+
+def fake(tmp_path, fail=False, fallback=False):
+    log = tmp_path / "calls.jsonl"
+    return executable(tmp_path, FAKE.format(python=sys.executable, log=str(log), fail=fail, fallback=fallback)), log
 
 
 def test_rows_pair_prefill_and_decode_per_depth_with_the_format_s_cache_types(tmp_path):
@@ -127,11 +133,9 @@ def test_rows_from_a_real_llama_bench_s_output(tmp_path):
     are where the stand-in above puts them."""
     fixture = Path(__file__).parent / "fixtures" / "llama_bench_output.json"
     recorded = json.loads(fixture.read_text())
-    path = tmp_path / "llama-bench"
-    path.write_text(REAL.format(python=sys.executable, fixture=str(fixture)))
-    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    binary = executable(tmp_path, REAL.format(python=sys.executable, fixture=str(fixture)))
     said = []
-    rows = llama_rows(str(path), "m.gguf", ["k8v4"], [64, 256], 2, 8, said.append)
+    rows = llama_rows(binary, "m.gguf", ["k8v4"], [64, 256], 2, 8, said.append)
     assert [r.get("error") for r in rows] == [None, None], said
     for row, pp, tg in zip(rows, recorded["prefill"], recorded["decode"]):
         assert row["depth"] == pp["n_prompt"] == tg["n_depth"]
