@@ -13,6 +13,7 @@ import numpy as np
 from ..kernels.experts.expert_down import expert_down_ref
 from ..kernels.experts.expert_gate_up import expert_gate_up_ref
 from ..kernels.experts.route import route_ref
+from ..kernels.dense.matvec import product_ref
 from ..kernels.dense.rmsnorm import rmsnorm_ref
 from ..kernels.dense.rope import rope_qkv_ref
 from ..kernels.dense.swiglu import swiglu_ref
@@ -88,8 +89,9 @@ class NumpyBackend:
         return table[np.asarray(ids)]
 
     def matmul(self, x, w):
-        # x (n, in) float32, w (out, in) float32 -> (n, out): y = x @ W.T, as GGUF stores W
-        return x @ w.T
+        # x (n, in) float32, w (out, in) float32 -> (n, out): y = x @ W.T, as GGUF stores W;
+        # a step's or a window's rows one at a time (product_ref says why)
+        return product_ref(x, w)
 
     def rmsnorm(self, x, w, eps: float):
         # x (n, d) float32, w (d,) float32 -> (n, d)

@@ -112,7 +112,20 @@ def attention_ref(fmt,
 
 
 def attend_ref(fmt, q, q_pos, blocks, page_table, pool, host):
-    """attention_ref's arithmetic; returns the (Q, H, D) float32 output."""
+    """attention_ref's arithmetic; returns the (Q, H, D) float32 output.
+
+    Queries that share one selection (a prompt chunk's (1, S)) are the rows of one product.
+    Queries with a selection each (a decode step, a verify window) are worked out one at a
+    time, so a window's query gets the bits of the decode step at its position
+    (product_ref, kernels/dense/matvec.py, says why that matters)."""
+    if blocks.shape[0] > 1:
+        return np.concatenate([attend_together(fmt, q[i:i + 1], q_pos[i:i + 1], blocks[i:i + 1], page_table, pool,
+                                               host) for i in range(len(q))])
+    return attend_together(fmt, q, q_pos, blocks, page_table, pool, host)
+
+
+def attend_together(fmt, q, q_pos, blocks, page_table, pool, host):
+    """Queries that share a selection (or one query), as the rows of one masked softmax."""
     n_q, n_heads, head_dim = q.shape
     blocks = np.broadcast_to(blocks, (n_q, blocks.shape[1]))  # a (1, S) selection is every query's
     sel = np.unique(blocks[blocks >= 0])  # (U,) sorted, so the order never depends on residency

@@ -64,6 +64,26 @@ MAX_WARPS, MAX_BLOCKS = MATVEC_MAX_WARPS, MATVEC_MAX_BLOCKS
 U = 2.0 ** -24  # float32 unit roundoff
 
 
+# --8<-- [start:product_ref]
+def product_ref(x,  # (n, in) float32
+                w):  # (out, in) float32, as GGUF stores W
+    """-> x @ w.T, (n, out) float32: the product every reference makes.
+
+    A decode step's or a verify window's rows (n <= MAX_ROWS) are multiplied one at a time.
+    BLAS sums a many-row product (gemm) in another order than a one-row one (gemv), and
+    which order depends on the library's version; so a window's row would differ from the
+    decode step at its position by a rounding, now and then enough to flip a greedy pick.
+    One row at a time, a row's sums never depend on the rows beside it, and a window gives
+    the decode steps' bits. A prompt chunk's rows (more than MAX_ROWS) are one product."""
+    if x.shape[0] > MAX_ROWS:
+        return x @ w.T
+    y = np.empty((x.shape[0], w.shape[0]), np.float32)
+    for i in range(x.shape[0]):
+        np.matmul(x[i], w.T, out=y[i])
+    return y
+# --8<-- [end:product_ref]
+
+
 # --8<-- [start:matvec_ref]
 def matvec_ref(x,      # (n, in) float32; (n, 2 in) with swiglu: gate values, then up values
                raw,    # (out, bytes_per_row) uint8: GGUF rows of W, (out, in) once dequantized
@@ -81,17 +101,17 @@ def matvec_ref(x,      # (n, in) float32; (n, 2 in) with swiglu: gate values, th
     reference composed, in the same order."""
     x = prologue_ref(x, norm, eps, swiglu)
     if add:
-        y += x @ dequantize(raw, qtype).T
+        y += product_ref(x, dequantize(raw, qtype))
     elif rope is not None:
         cos, sin, n_heads, n_kv = rope
         n, hd = x.shape[0], 2 * cos.shape[1]
         q, k, v = (np.empty((n, heads, hd), np.float32) for heads in (n_heads, n_kv, n_kv))
-        rope_qkv_ref(x @ dequantize(raw, qtype).T, cos, sin, q, k, v)
+        rope_qkv_ref(product_ref(x, dequantize(raw, qtype)), cos, sin, q, k, v)
         y[...] = np.concatenate([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], axis=1)
         if append is not None:
             kv_append_fp16_ref(k, v, *append)
     else:
-        y[...] = x @ dequantize(raw, qtype).T
+        y[...] = product_ref(x, dequantize(raw, qtype))
 
 
 def prologue_ref(x, norm, eps, swiglu):

@@ -38,7 +38,7 @@ from strata_nb.gpu.geometry import EXPERT_DOWN_WARPS, EXPERT_WARPS
 from strata_nb.gpu.launch import DeviceArgs, expect, stream
 from strata_nb.gpu.reduce import WARP, warp_sum
 from strata_nb.kernels.dense.gguf_rows import PART, PARTS, QK, QTYPES, part_runs
-from strata_nb.kernels.dense.matvec import ahead_arrays, dot_tolerance
+from strata_nb.kernels.dense.matvec import ahead_arrays, dot_tolerance, product_ref
 from strata_nb.kernels.dense.matvec_fused import AHEAD, ROWS, SECTOR, SUM_WARPS
 from strata_nb.kernels.experts.expert_rows import MAX_USED, expert_views, make_expert_part
 
@@ -58,7 +58,7 @@ def expert_down_ref(h,        # (T, K, F) float32: expert_gate_up's output
         tokens, place = np.nonzero(chosen == e)
         slot = res[at + e]
         down = slots[slot] if slot >= 0 else host[at + e]  # (D, F)
-        y[tokens, place] = h[tokens, place] @ down.T
+        y[tokens, place] = product_ref(h[tokens, place], down)
     total = np.zeros_like(x)
     for r in range(k):  # the kernel's order: most probable expert first
         total += weights[:, r, None] * y[:, r]

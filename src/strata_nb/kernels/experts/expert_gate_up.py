@@ -30,7 +30,7 @@ from strata_nb.gpu.geometry import EXPERT_WARPS
 from strata_nb.gpu.launch import DeviceArgs, absent, expect, stream, view_bytes
 from strata_nb.gpu.reduce import WARP, warp_sum
 from strata_nb.kernels.dense.gguf_rows import PART, PARTS, QK, QTYPES, part_runs
-from strata_nb.kernels.dense.matvec import dot_tolerance
+from strata_nb.kernels.dense.matvec import dot_tolerance, product_ref
 from strata_nb.kernels.dense.matvec_fused import AHEAD, MAX_ROWS, SECTOR
 from strata_nb.kernels.dense.swiglu import swiglu_ref
 from strata_nb.kernels.experts.expert_rows import expert_views, make_expert_part
@@ -51,7 +51,7 @@ def expert_gate_up_ref(x_norm,   # (T, D) float32
         slot = res[at + e]
         gate_up = slots[slot] if slot >= 0 else host[at + e]  # (2F, D)
         out = np.empty((len(tokens), h.shape[2]), np.float32)
-        swiglu_ref(x_norm[tokens] @ gate_up.T, out)
+        swiglu_ref(product_ref(x_norm[tokens], gate_up), out)
         h[tokens, place] = out
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from strata_nb.kernels.dense.matvec import product_ref
 from strata_nb.kernels.dense.swiglu import swiglu_ref
 
 
@@ -33,7 +34,7 @@ def moe_route_ref(x_norm,  # (T, D) float32: the FFN's normed input
                   k: int):
     """-> chosen (T, K) int64 expert ids, most probable first, and weights (T, K) float32
     that sum to 1 per token. Ties go to the lower expert id (a stable sort)."""
-    logits = x_norm @ router.T  # (T, E)
+    logits = product_ref(x_norm, router)  # (T, E)
     p = np.exp(logits - logits.max(axis=1, keepdims=True))
     p /= p.sum(axis=1, keepdims=True)  # (T, E) softmax over all E experts
     chosen = np.argsort(-p, axis=1, kind="stable")[:, :k]  # (T, K)
@@ -57,8 +58,8 @@ def moe_ffn_ref(x,        # (T, D) float32: the residual stream, added into
         if len(rows) == 0:
             continue  # no token chose it: its weights are not read
         h = np.empty((len(rows), down[e].shape[1]), np.float32)  # (T_e, F)
-        swiglu_ref(x_norm[rows] @ gate_up[e].T, h)
-        out[rows] += weights[rows, place, None] * (h @ down[e].T)  # a token chooses e at most once
+        swiglu_ref(product_ref(x_norm[rows], gate_up[e]), h)
+        out[rows] += weights[rows, place, None] * product_ref(h, down[e])  # a token chooses e at most once
     x += out
     return x
 # --8<-- [end:moe_ffn_ref]

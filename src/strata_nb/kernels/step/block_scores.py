@@ -67,15 +67,14 @@ def block_scores_ref(q,              # (n_q, n_heads, hd) float32 (rotated when 
                      window_blocks,  # int: the window's blocks (--kv-window // 16)
                      scores):        # (n_q, n_blocks) float32, written: -inf where not a candidate
     n_q, n_heads, hd = q.shape
-    ranked = [candidates(int(pos), window_blocks) for pos in np.asarray(positions)]
     scores[...] = NEG_INF
-    end = max(r.stop for r in ranked)  # the blocks up to the last any query ranks
-    keys = dequantize_q4_0_ref(sketch[:end])  # (end, n_kv, BLOCK, hd)
     kv_of = np.arange(n_heads) // (n_heads // sketch.shape[1])  # the KV head each query head reads
-    dots = np.einsum("qhd,bhcd->qbhc", q, keys[:, kv_of])  # (n_q, end, heads, cells)
-    for i, cand in enumerate(ranked):
+    for i, pos in enumerate(np.asarray(positions)):  # one query at a time: its sums are a step's
+        cand = candidates(int(pos), window_blocks)
         if len(cand):
-            scores[i, cand] = dots[i, cand].reshape(len(cand), -1).max(axis=-1)
+            keys = dequantize_q4_0_ref(sketch[cand.start:cand.stop])  # (blocks, n_kv, BLOCK, hd)
+            dots = np.einsum("hd,bhcd->bhc", q[i], keys[:, kv_of])  # (blocks, heads, cells)
+            scores[i, cand.start:cand.stop] = dots.reshape(len(cand), -1).max(axis=-1)
 # --8<-- [end:block_scores_ref]
 
 
