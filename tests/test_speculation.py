@@ -8,8 +8,8 @@ controls:
   #1188) fails it;
 - batch vs step: the cache after --spec holds the cells the one-token path writes, bit
   for bit: the references multiply a window's rows one at a time and attend each query
-  alone (product_ref, attend_ref), so no row's sums depend on the rows beside it. The fault leaves the window's cells out of the host copy (26-30% of the bytes
-  differ);
+  alone (product_ref, attend_ref), so no row's sums depend on the rows beside it. The
+  fault leaves the window's cells out of the host copy (26-30% of the bytes differ);
 - QSA's key sketch holds what the one-token path writes once the next window has written
   over a rejected tail: checked on a cache of its own, with a rejected K far from the
   others.
