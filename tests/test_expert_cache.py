@@ -81,6 +81,22 @@ def test_all_resident_holds_every_expert_from_the_start(copies):
     assert stats.hits == stats.lookups and stats.swaps == 0
 
 
+def test_a_prompt_chunk_fills_the_slots_with_its_most_used_experts(copies):
+    """The cache adapts after every prompt chunk, whatever --adapt-every says, so the
+    reply's first step finds the prompt's experts in their slots."""
+    eng = Engine.load(model=copies, device="cpu", max_context=256, expert_cache=5, adapt_every=1000)
+    cache = eng.weights.experts
+    eng.prefill(PROMPT)
+    lookups = np.asarray(cache.lookups).astype(np.int64)
+    resident = np.flatnonzero(cache.res_host >= 0)
+    assert cache.stats().copies == len(resident) == 5  # before any decode step
+    most_used = np.argsort(-lookups, kind="stable")[:5]
+    assert sorted(resident.tolist()) == sorted(most_used.tolist())
+    before = cache.stats()
+    eng.decode_one_token(int(PROMPT[-1]), len(PROMPT))
+    assert cache.stats().since(before).hits > 0
+
+
 def test_negative_control_a_slot_marked_resident_before_its_copy_lands(copies, resident):
     logits, eng = run(copies, 5, fault="expert-early-resident")
     assert eng.weights.experts.stats().copies > 0

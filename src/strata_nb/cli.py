@@ -42,7 +42,8 @@ def engine_options(f):
                      help="MoE models: experts held in VRAM slots, a number or auto (as many as free VRAM holds "
                           "after --vram-reserve-mib; every expert on the CPU). The rest are read from pinned host memory."),
         click.option("--adapt-every", type=int, default=4, show_default=True,
-                     help="MoE models: forward passes between the expert cache's adapts (moving hot experts in)."),
+                     help="MoE models: forward passes between the expert cache's adapts (moving hot experts in); "
+                          "it adapts after every prompt chunk too."),
         click.option("--adapt-swaps", type=int, default=96, show_default=True,
                      help="MoE models: experts copied into VRAM slots at most, per adapt."),
         click.option("--vram-reserve-mib", type=int, default=1024, show_default=True,

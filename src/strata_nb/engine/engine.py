@@ -326,7 +326,7 @@ class Engine:
         with self.be.deferred_frees():
             logits = self.be.to_numpy(forward(self.be, self.weights, self.kv, part, pos, prompt, all_logits))
         if self.weights.experts is not None:
-            self.weights.experts.after_pass()  # the expert cache adapts between passes
+            self.weights.experts.after_pass(prompt)  # the expert cache adapts between passes
         return logits
 
     def _in_chunks(self, ids, begin: int, end: int, size: int, prompt: bool, all_logits: bool):

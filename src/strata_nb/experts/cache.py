@@ -9,14 +9,15 @@
     lookups,    (L * E,) int32 in device memory: the router kernel counts each token's
     hits        choice of an expert, and whether it was resident (only ever growing)
 
-Every `adapt_every` passes (a decode step, a prompt chunk) `after_pass` reads the counters,
-asks the policy (policy.py) which experts to move, and moves them in an order that keeps
-every step right: first the evicted experts' entries become -1 (their slots are read by
-no later step), then the weights are copied into the slots, then the new entries point
-at them. A copy counts as resident only after it lands. On the cuda backend all three go
-through the default stream, which orders them after the steps already queued and before
-any step queued later; on the numpy backend they happen in that order. The kernels read
-the same bytes from a slot as from the host copy, so output does not depend on the cache.
+Every `adapt_every` passes (a decode step, a verify window), and after every prompt chunk,
+`after_pass` reads the counters, asks the policy (policy.py) which experts to move, and
+moves them in an order that keeps every step right: first the evicted experts' entries
+become -1 (their slots are read by no later step), then the weights are copied into the
+slots, then the new entries point at them. A copy counts as resident only after it lands.
+On the cuda backend all three go through the default stream, which orders them after the
+steps already queued and before any step queued later; on the numpy backend they happen in
+that order. The kernels read the same bytes from a slot as from the host copy, so output
+does not depend on the cache.
 
 `fault="expert-early-resident"` is the teaching switch for the race the order prevents:
 the entries point at the slots before the copies are made, and the copies land only after
@@ -94,13 +95,16 @@ class ExpertCache:
         """Layer `layer`'s first entry in res and the counters."""
         return layer * self.n_expert
 
-    def after_pass(self):
-        """Called once per forward pass, before the next is queued: adapt when one is due."""
+    def after_pass(self, prompt: bool = False):
+        """Called once per forward pass, before the next is queued: adapt when one is due,
+        every `adapt_every` passes and after every prompt chunk. A chunk's lookups are many
+        tokens' choices, the best guess of what the reply will choose, so the reply's first
+        steps find its experts in their slots."""
         if self._late:
             self._copy(self._late)
             self._late = []
         self._passes += 1
-        if self.n_slots and self.n_slots < len(self.res_host) and self._passes % self.adapt_every == 0:
+        if self.n_slots and self.n_slots < len(self.res_host) and (prompt or self._passes % self.adapt_every == 0):
             self.adapt()
 
     def adapt(self):
