@@ -32,8 +32,10 @@ def test_prompt_chunk_in_tiles():
         pool, host = filled_cache(fmt, PAGE_TABLE, n_slots=4)
         args = (fmt, q, q_pos, blocks, PAGE_TABLE, pool, host)
         want = run(attention_ref, *args)
-        np.testing.assert_array_equal(want, run(attention_ref, fmt, q, q_pos, all_blocks_upto(q_pos),
-                                                PAGE_TABLE, pool, host))
+        # the two forms of the selection: the same cells (the reference works per-query rows
+        # out one query at a time and a shared row as one product, so within a rounding)
+        np.testing.assert_allclose(want, run(attention_ref, fmt, q, q_pos, all_blocks_upto(q_pos), PAGE_TABLE, pool,
+                                             host), rtol=1e-5, atol=1e-6)
         got = run(lambda *a: attention(*a, per_split=2, combine_groups=4, tile=5), *args)
         np.testing.assert_allclose(got, want, atol=ATOL, rtol=RTOL)
 
