@@ -11,6 +11,7 @@ returns a new device array, except `add_`, which adds in place.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,7 +20,7 @@ from numba import cuda
 from ..errors import StrataError
 from ..kernels.dense import embed, gguf_rows, matmul, matvec, residual, rmsnorm, rope, swiglu
 from ..kernels.experts.expert_down import expert_down
-from ..kernels.experts.expert_gate_up import expert_gate_up
+from ..kernels.experts.expert_gate_up import ROUTED_EXPERTS, expert_gate_up, routed_expert_gate_up
 from ..kernels.experts.route import MAX_DIM, MAX_EXPERTS, MAX_USED, route
 from ..gpu.launch import device_empty
 from ..model.dequant import dequantize
@@ -244,17 +245,29 @@ class CudaBackend:
         # Three launches: the router (with the norm), the chosen experts' gate|up with SwiGLU,
         # their down products added to x. The ids stay on the device, so a graph replays them.
         # The down kernel reads `ahead` (the next product's weights) into L2, as matvec does.
+        # STRATA_NB_ROUTED_GATE_UP=1: a step or a window routes inside the gate|up kernel
+        # (routed_expert_gate_up), one launch fewer; off until measured on a GPU.
         n, k, at = x.shape[0], experts.k, experts.at(layer)
-        x_norm = device_empty(x.shape, np.float32)
         chosen, weights = device_empty((n, k), np.int32), device_empty((n, k), np.float32)
         slot_of = device_empty((n, k), np.int32)  # the router looks each chosen expert up once
-        route(x, norm, eps, router.raw, router.qtype, x_norm, chosen, weights, slot_of, experts.res, at,
-              experts.lookups, experts.hits)
         h = device_empty((n, k, experts.host_gate_up.shape[1] // 2), np.float32)
-        expert_gate_up(x_norm, chosen, slot_of, at, experts.slot_gate_up, experts.host_gate_up, experts.qtype, h,
-                       ahead=(experts.slot_down, experts.host_down))
+        if routed_gate_up() and n <= matvec.MAX_ROWS and router.raw.shape[0] <= ROUTED_EXPERTS:
+            routed_expert_gate_up(x, norm, eps, router.raw, router.qtype, chosen, weights, slot_of, experts.res, at,
+                                  experts.lookups, experts.hits, experts.slot_gate_up, experts.host_gate_up,
+                                  experts.qtype, h, ahead=(experts.slot_down, experts.host_down))
+        else:
+            x_norm = device_empty(x.shape, np.float32)
+            route(x, norm, eps, router.raw, router.qtype, x_norm, chosen, weights, slot_of, experts.res, at,
+                  experts.lookups, experts.hits)
+            expert_gate_up(x_norm, chosen, slot_of, at, experts.slot_gate_up, experts.host_gate_up, experts.qtype, h,
+                           ahead=(experts.slot_down, experts.host_down))
         expert_down(h, chosen, weights, slot_of, at, experts.slot_down, experts.host_down, experts.qtype, x,
                     ahead=_rows(ahead))
         return x
     # --8<-- [end:cuda_ops]
+
+
+def routed_gate_up() -> bool:
+    """STRATA_NB_ROUTED_GATE_UP=1: decode steps route inside the gate|up kernel."""
+    return os.environ.get("STRATA_NB_ROUTED_GATE_UP", "0") == "1"
 

@@ -53,15 +53,16 @@ def type_name(a) -> str:
     return {int: "int64", float: "float64"}[type(a)]
 
 
-def closure_cells(fn, local_prefix: str) -> dict:
-    """fn's closure by name, with the closures of the device functions it calls that the
-    same factory made (a factory argument used only inside one of them still counts)."""
+def closure_cells(fn) -> dict:
+    """fn's closure by name, with the closures of the device functions it calls that a
+    factory made, this one or another (a factory argument used only inside one of them,
+    or passed on to another factory under the same name, still counts)."""
     cells = {}
     for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
         cells.setdefault(name, cell)
         inner = getattr(cell.cell_contents, "py_func", None)
-        if inner is not None and inner.__qualname__.startswith(local_prefix):
-            for name_, cell_ in closure_cells(inner, local_prefix).items():
+        if inner is not None and ".<locals>." in inner.__qualname__:
+            for name_, cell_ in closure_cells(inner).items():
                 cells.setdefault(name_, cell_)
     return cells
 
@@ -76,7 +77,7 @@ def variant(fn) -> str:
     if factory is None:
         return ""
     params = factory.__code__.co_varnames[:factory.__code__.co_argcount]
-    cells = closure_cells(fn, factory_name + ".<locals>.")
+    cells = closure_cells(fn)
 
     def describe(obj):
         inner = getattr(obj, "py_func", None) or getattr(obj, "fn", None) or obj
