@@ -45,7 +45,8 @@ def engine_options(f):
                      help="MoE models: forward passes between the expert cache's adapts (moving hot experts in); "
                           "it adapts after every prompt chunk too."),
         click.option("--adapt-swaps", type=int, default=96, show_default=True,
-                     help="MoE models: experts copied into VRAM slots at most, per adapt."),
+                     help="MoE models: swaps (a resident expert evicted for a busier one) at most, per adapt; "
+                          "empty slots are filled without a cap."),
         click.option("--vram-reserve-mib", type=int, default=1024, show_default=True,
                      help="MoE models: VRAM that --expert-cache auto leaves free."),
         click.option("--spec", type=int, default=0, show_default=True,

@@ -27,7 +27,7 @@ class Settings:
     suffix_draft: int = 3  # the drafter's longest n-gram matched against the prompt and output
     expert_cache: int | str = "auto"  # MoE: experts held in VRAM slots; "auto" = what free VRAM holds
     adapt_every: int = 4  # MoE: passes between the expert cache's adapts
-    adapt_swaps: int = 96  # MoE: experts copied into slots at most, per adapt
+    adapt_swaps: int = 96  # MoE: swaps (an expert evicted for another) at most, per adapt
     vram_reserve_mib: int = 1024  # MoE: VRAM "auto" leaves free
     graph: bool = True  # replay each decode step from a captured CUDA graph (on a GPU)
 
