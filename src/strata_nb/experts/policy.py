@@ -2,8 +2,9 @@
 
 Every expert of every layer has a usage count: the lookups the router made of it (a token
 choosing it) since the last adapt are added, and after each adapt the counts are
-multiplied by DECAY, so an expert used long ago fades and one used now rises. Every
-`adapt_every` passes the policy moves experts:
+multiplied by DECAY, so an expert used long ago fades and one used now rises. At each
+adapt (every `adapt_every` passes, and after every prompt chunk: experts/cache.py) the
+policy moves experts:
 
 - a candidate is an expert in no slot whose usage is at least CANDIDATE;
 - candidates fill empty slots first, most used first, as many as there are;

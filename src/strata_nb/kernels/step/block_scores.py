@@ -66,7 +66,7 @@ def block_scores_ref(q,              # (n_q, n_heads, hd) float32 (rotated when 
                      positions,      # (n_q,) int32: each query's position
                      window_blocks,  # int: the window's blocks (--kv-window // 16)
                      scores):        # (n_q, n_blocks) float32, written: -inf where not a candidate
-    n_q, n_heads, hd = q.shape
+    n_heads = q.shape[1]
     scores[...] = NEG_INF
     kv_of = np.arange(n_heads) // (n_heads // sketch.shape[1])  # the KV head each query head reads
     for i, pos in enumerate(np.asarray(positions)):  # one query at a time: its sums are a step's
