@@ -33,11 +33,13 @@ class StepGraph:
     """`StepGraph(launch_step)` captures the launches `launch_step()` makes; `replay()`
     runs them again, on the same memory, with one driver call."""
 
-    def __init__(self, launch_step):
+    def __init__(self, launch_step, stream=None):
+        """stream: where it replays (capture needs one other than the legacy default);
+        None = a new one. Graphs that share a stream replay in the order they are launched."""
         from cuda.bindings import driver as cu
 
         self._cu = cu
-        self.stream = cuda.stream()  # capture needs a stream other than the legacy default
+        self.stream = cuda.stream() if stream is None else stream
         self._handle = cu.CUstream(int(self.stream))
         self.keep: list = []  # device arrays the graph reads or writes
         _check(cu.cuStreamBeginCapture(self._handle, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED))

@@ -28,6 +28,7 @@ from ..text.tokenizer import StreamDecoder, Tokenizer
 from .decode_step import DeviceStep
 from .draft import MIN_NGRAM, Drafter, WindowWidth
 from .forward import forward
+from .prompt_chunk import PromptChunks
 from .sampling import sample
 from .verify_window import VerifyWindow
 
@@ -104,6 +105,7 @@ class Engine:
             raise SettingError("fault", "'expert-early-resident' breaks the expert cache: it needs an MoE model")
         self.last_stats = RunStats()
         self._spec_passes = None  # ({width: VerifyWindow}, DeviceStep) once speculation first runs on the GPU
+        self._prompt_chunks = None  # PromptChunks once a prefill first runs on the GPU path
 
     def _expert_cache(self, shared: "Engine | None"):
         """An MoE model's expert cache, sized once the KV cache has taken its memory; a derived
@@ -216,12 +218,28 @@ class Engine:
         cache restored them), so only the rest runs."""
         if not 0 <= start < len(ids):
             raise StrataError(f"prefill needs at least one token after the {start} cached")
+        size = self.settings.prefill_chunk
+        chunks = None if all_logits else self.prompt_chunks()
         outs = []
-        for at, logits in self._in_chunks(ids, start, len(ids), self.settings.prefill_chunk, True, all_logits):
-            outs.append(logits)
+        for at in range(start, len(ids), size):
+            part = ids[at:at + size]
+            if chunks is not None and chunks.fits(at, len(part)):  # inputs in device memory: a graph replays it
+                outs.append(chunks.run(part, at)[None])
+            else:
+                outs.append(self._forward(part, at, True, all_logits))
             if on_chunk:
-                on_chunk(min(self.settings.prefill_chunk, len(ids) - at))
+                on_chunk(len(part))
         return np.concatenate(outs) if all_logits else outs[-1][-1]
+
+    def prompt_chunks(self) -> PromptChunks | None:
+        """The replayable prompt chunks (prompt_chunk.py), where the backend and cache allow
+        them: made once per engine, so each width's graph is captured once."""
+        if not PromptChunks.supported(self.be, self.kv):
+            return None
+        if self._prompt_chunks is None:
+            self._prompt_chunks = PromptChunks(self.be, self.weights, self.kv, self.settings.prefill_chunk,
+                                               self.settings.graph)
+        return self._prompt_chunks
 
     def decode_one_token(self, token: int, pos: int) -> np.ndarray:
         """One step: the token at `pos` goes through every layer -> logits (vocab,)."""

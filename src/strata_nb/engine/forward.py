@@ -15,11 +15,13 @@ from ..model.weights import ModelWeights
 
 
 # --8<-- [start:forward]
-def forward(be, w: ModelWeights, kv, ids, positions, prompt: bool, all_logits: bool = False):
+def forward(be, w: ModelWeights, kv, ids, positions, prompt: bool, all_logits: bool = False, last=None):
     """ids, positions (n,) int32 NumPy -> logits (n or 1, vocab) float32.
 
     prompt: a prompt chunk (attends every earlier cell) rather than a decode step or
-    verify window (attends the blocks its queries select)."""
+    verify window (attends the blocks its queries select). last: (1,) int32 in device
+    memory, the row whose logits to make (a padded prompt chunk's last real row,
+    engine/prompt_chunk.py), instead of row n - 1."""
     cfg = w.config
     n, eps = len(ids), cfg.rms_eps
     pos = be.asarray(positions)
@@ -39,7 +41,9 @@ def forward(be, w: ModelWeights, kv, ids, positions, prompt: bool, all_logits: b
             be.gated_matmul_add_(x, gate_up, L.wdown, ahead=after)  # x += swiglu(gate_up) Wdown
         else:  # experts: each token's K of E SwiGLU FFNs, weighted by the router, from the expert cache
             be.moe_ffn_add_(x, L.ffn_norm, eps, L.router, w.experts, layer, ahead=after)
-    if not all_logits:
+    if last is not None:
+        x = be.embed(x, last)  # row last[0], gathered on the device
+    elif not all_logits:
         x = x[n - 1:]
     return be.normed_matmul(x, w.output_norm, eps, w.output, ahead=w.layers[0].wqkv)  # the next step's first
 # --8<-- [end:forward]

@@ -162,8 +162,12 @@ class KVCache:
         if "q" in rotates(self.fmt):
             q = self._hadamard(q)  # <Hq, Hk> = <q, k>: the rotation cancels in the scores
         L = self.layers[layer]
-        if not isinstance(positions, np.ndarray):  # positions in device memory: a replayable step
-            assert self.step is not None and not prompt, "device positions are for a decode step on the cuda backend"
+        on_device = not isinstance(positions, np.ndarray)  # positions in device memory: a replayable pass
+        if on_device and prompt:  # a prompt chunk (engine/prompt_chunk.py): the whole row of blocks, cut
+            assert not self.streamed, "a prompt chunk in device memory is for a resident cache"  # by the positions
+            blocks, src = self._block_row, L
+        elif on_device:  # a decode step or a verify window
+            assert self.step is not None, "device positions are for the cuda backend"
             blocks, src = self.step.select(L, q, positions), L  # misses are read in place
         elif prompt:  # a prompt chunk reads every earlier cell: the pool, or the stage when streaming
             # blocks 0..last as one row every query shares, a view of a device array made once
@@ -183,8 +187,9 @@ class KVCache:
         # rotate_out: attention mixed rotated V rows, so H (= H^-1) brings the output back,
         # applied by the kernel that writes it
         # ordered: a step's device list ascends, -1 padded at the end, as NumPy ones do
-        self._attention(self.fmt, q, self._on_device(positions), blocks, src.page_table,
-                        src.pool, src.host, out, rotate_out="v" in rotates(self.fmt), ordered=True)
+        # splits_on_device: a prompt chunk in device memory sizes its splits from its positions
+        self._attention(self.fmt, q, self._on_device(positions), blocks, src.page_table, src.pool, src.host, out,
+                        rotate_out="v" in rotates(self.fmt), ordered=True, splits_on_device=on_device and prompt)
         return out
     # --8<-- [end:attend]
 

@@ -102,7 +102,8 @@ def attention_ref(fmt,
                   host,        # {field: (n_logical_blocks, n_kv, 16, per_head)}, or None
                   out,         # (Q, H, D) float32, written
                   rotate_out: bool = False,  # apply H to each output head row (a rotated V comes back)
-                  ordered: bool | None = None):  # the launcher's hint (rows ascend); a set here
+                  ordered: bool | None = None,  # the launcher's hint (rows ascend); a set here
+                  splits_on_device: bool = False):  # the launcher's (a prompt chunk in device memory)
     check_format(fmt, FORMATS)
     # Unwritten cells may hold any bytes (NaN, inf, huge): they are masked out below, so
     # the warnings their arithmetic raises on the way are noise.
@@ -178,7 +179,7 @@ def ordered_rows(blocks: np.ndarray) -> bool:
 
 def attention(fmt, q, q_pos, blocks, page_table, pool, host, out, rotate_out: bool = False,
               per_split: int | None = None, combine_groups: int = COMBINE_GROUPS, tile: int | None = None,
-              ordered: bool | None = None, plain: bool = False):
+              ordered: bool | None = None, plain: bool = False, splits_on_device: bool = False):
     """Like attention_ref, on the device; NumPy arguments are moved (out written back).
 
     One query per thread block (a decode step, a verify window, queries whose selections
@@ -193,7 +194,9 @@ def attention(fmt, q, q_pos, blocks, page_table, pool, host, out, rotate_out: bo
     its padding at the end, which lets the step kernel skip the merge for a query whose
     cells all lie in its first split. None: a NumPy list is looked at, a device one taken
     as unordered; True for a device list is the caller's word (a step's list); False
-    turns the shortcut off."""
+    turns the shortcut off. splits_on_device: a prompt chunk whose positions are in
+    device memory, with the whole cache's row of blocks (attention_prompt says how its
+    splits are sized)."""
     assert not plain or per_split is None, "the plain kernel has no splits"
     check_format(fmt, FORMATS)
     expect("q", q, np.float32, (None, None, None))
@@ -219,6 +222,7 @@ def attention(fmt, q, q_pos, blocks, page_table, pool, host, out, rotate_out: bo
             for s in specs}
     if n_q == 0:
         return
+    assert not splits_on_device or (tile > 1 and blocks.shape[0] == 1), "splits on the device: a shared row, in tiles"
     kind_k, kind_v = SIDES[fmt]
     if tile == 1 and blocks.shape[0] != n_q:  # the step kernel reads a row per query
         assert isinstance(blocks, np.ndarray), "a shared selection in device memory is for one query"
@@ -237,4 +241,5 @@ def attention(fmt, q, q_pos, blocks, page_table, pool, host, out, rotate_out: bo
             else:
                 attention_step(fmt, n_kv, args, sides, dev.write(out), rotate_out, per_split, bool(ordered))
             return
-        attention_prompt(fmt, n_kv, args, sides, dev.write(out), rotate_out, per_split, combine_groups, tile)
+        attention_prompt(fmt, n_kv, args, sides, dev.write(out), rotate_out, per_split, combine_groups, tile,
+                         splits_on_device)

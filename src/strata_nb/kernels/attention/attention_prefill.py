@@ -83,7 +83,7 @@ def make_attention_kernel(read_k, read_v, D):
                          blocks,      # (Q, S) int32, -1 = padding; or (1, S), every query's
                          page_table,  # (n_logical_blocks,) int32
                          scale,       # float32: 1 / sqrt(D)
-                         per_split,   # int32: selected blocks per split
+                         per_split,   # int32: selected blocks per split; -n: sized here, at least n
                          tile,        # int32: queries per thread block (their columns agree)
                          pool_ka, pool_kb, pool_va, pool_vb,  # K and V of the pool, by slot
                          host_ka, host_kb, host_va, host_vb,  # the same by logical block, or (0, ...)
@@ -150,8 +150,13 @@ def make_attention_kernel(read_k, read_v, D):
             for dd in range(DPT):
                 acc[i, dd] = float32(0.0)
 
-        first = split * per_split
-        end = min(first + per_split, blocks.shape[1])
+        span = int32(per_split)
+        if span < 0:  # sized on the device: the columns up to the chunk's last query, over the splits
+            used = min(q_pos[q.shape[0] - 1] // BLOCK + 1, blocks.shape[1])  # a chunk's positions ascend
+            span = int32(max(-span, (used + cuda.gridDim.z - 1) // cuda.gridDim.z))
+            span = int32((span + COLS - 1) // COLS * COLS)  # whole rounds
+        first = split * span
+        end = min(first + span, blocks.shape[1])
         for s0 in range(first, end, COLS):
             half = ((s0 - first) // COLS) % 2
             cb, qb = half * MAX_TILE_COLUMNS, half * MAX_TILE_QUERIES
@@ -352,20 +357,31 @@ def tile_for(blocks, group: int, head_dim: int, n_q: int | None = None) -> int:
 
 
 def attention_prompt(fmt, n_kv, args, sides, out, rotate_out: bool, per_split: int | None, combine_groups: int,
-                     tile: int):
+                     tile: int, splits_on_device: bool = False):
     """Launch the prompt kernel and the combine; attention() has checked the arrays and
     moved them. args: (q, q_pos, blocks, page_table, scale), sides: the eight pool and
     host arrays (attention.py: side_arrays), out: the device output. per_split None = a
-    few waves of thread blocks in all, in whole rounds."""
+    few waves of thread blocks in all, in whole rounds.
+
+    splits_on_device: the row of blocks is the whole cache's and the positions are in
+    device memory (a prompt chunk replayed from a graph, engine/prompt_chunk.py), so the
+    host cannot see how far the chunk reaches. The grid has the splits the chunk's size
+    calls for, and the kernel sizes them from the last query's position: the same splits
+    the host would have made for the row cut at that block (per_split is then the least)."""
     q, blocks = args[0], args[2]
     n_q, n_heads, head_dim = q.shape
     assert head_dim in HEAD_DIMS, f"no prompt kernel for head_dim {head_dim} (built: {HEAD_DIMS})"
-    if per_split is None:  # long prompt chunks have tiles enough to fill the GPU: fewer, longer splits
-        want = max(1, PROMPT_THREAD_BLOCKS // (-(-n_q // tile) * n_kv))
-        per_split = max(BLOCKS_PER_SPLIT, -(-blocks.shape[1] // want))
-        cols = tile_cells(head_dim) // BLOCK
-        per_split = -(-per_split // cols) * cols  # whole rounds
-    n_splits = max(1, -(-blocks.shape[1] // per_split))
+    cols = tile_cells(head_dim) // BLOCK
+    want = max(1, PROMPT_THREAD_BLOCKS // (-(-n_q // tile) * n_kv))  # long prompt chunks have tiles enough
+    if splits_on_device:  # to fill the GPU: fewer, longer splits
+        least = -(-(BLOCKS_PER_SPLIT if per_split is None else per_split) // cols) * cols
+        n_splits = max(1, min(want, -(-blocks.shape[1] // least)))
+        per_split = -least
+    else:
+        if per_split is None:
+            per_split = max(BLOCKS_PER_SPLIT, -(-blocks.shape[1] // want))
+            per_split = -(-per_split // cols) * cols  # whole rounds
+        n_splits = max(1, -(-blocks.shape[1] // per_split))
     # at most 1024 threads a block, and no more thread rows than splits
     combine_groups = min(combine_groups, 1024 // head_dim, n_splits)
     assert 1 <= combine_groups <= MAX_COMBINE_GROUPS, f"combine_groups {combine_groups} not in 1..{MAX_COMBINE_GROUPS}"

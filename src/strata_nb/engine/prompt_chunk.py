@@ -1,0 +1,135 @@
+"""Prompt chunks whose inputs live in device memory, so they can be replayed from graphs.
+
+A prompt chunk launched from the host costs about 400 launches and as many device
+arrays, tens of milliseconds of Python whatever the chunk's size: on a GPU the host, not
+the GPU, sets the pace of a prefill, and of a follow-up turn whose few new tokens are one
+short chunk. As `DeviceStep` does for a decode step (decode_step.py), a chunk here keeps
+what changes from chunk to chunk in device memory that the kernels read:
+
+    tokens     (W,) int32  the chunk's ids, padded with its last one
+    positions  (W,) int32  start, start + 1, ..., start + W - 1
+    last       (1,) int32  the chunk's last real row, whose logits the pass makes
+
+and attention reads the whole cache's row of blocks, each query cut at its position,
+with the splits sized on the device from the chunk's last position
+(kernels/attention/attention_prefill.py). So every chunk of width W makes the same
+launches, captured once into a CUDA graph (backend/cuda_graph.py) and replayed.
+
+Widths: a chunk has `--prefill-chunk` tokens but the last, and the last is padded up to
+the next width of a short ladder (16, 32, 64, ... below the chunk size), so a handful of
+graphs serve every prompt. The padded rows come after the real ones, so no real row sees
+them; their cells lie past the prompt's end, to be written over by whatever comes next
+at those positions, as a rejected draft's are. A chunk whose padding would pass the
+cache's end runs from the host (`fits`). Which chunks and widths a prompt gets depends
+only on where it starts and ends, so a conversation cache that resumes at a chunk
+boundary (serve/conversations.py) reruns the chunks a cold prefill runs, the same way.
+
+Resident caches only: a streamed cache's chunk first stages the blocks before it from the
+host copy, a host decision per chunk. Without a GPU (the simulator) or with --no-graph,
+the same launches run one by one; the tests check them against the host path.
+`STRATA_NB_DEVICE_PROMPT=1` turns this path on; it is off until measured on a GPU.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from ..backend import gpu_present
+from ..kv_layout import BLOCK
+from .forward import forward
+
+MIN_WIDTH = 16  # more rows than a step or a window has (matvec's MAX_ROWS): the prompt kernels
+
+
+def enabled() -> bool:
+    return os.environ.get("STRATA_NB_DEVICE_PROMPT", "0") == "1"
+
+
+# --8<-- [start:widths]
+def width_for(n: int, chunk: int) -> int:
+    """The rows a chunk of n tokens runs as: the chunk size for a full chunk, else the
+    smallest power of two >= n (at least MIN_WIDTH), else the chunk size."""
+    if n >= chunk:
+        return chunk
+    width = MIN_WIDTH
+    while width < n:
+        width *= 2
+    return min(width, chunk)
+# --8<-- [end:widths]
+
+
+class ChunkPass:
+    """One width's device inputs, and its graph once captured."""
+
+    def __init__(self, be, width: int):
+        self.width = width
+        self.tokens = be.asarray(np.zeros(width, np.int32))
+        self.positions = be.asarray(np.zeros(width, np.int32))
+        self.last = be.asarray(np.zeros(1, np.int32))
+        self.graph = None
+        self.logits = None  # (1, vocab) device array the pass writes
+
+
+# --8<-- [start:prompt_chunks]
+class PromptChunks:
+    # (width, weights, format, QSA) whose launches this process has made one by one: their
+    # kernels are compiled, so a chunk of that kind can be captured at once, by any engine
+    # sharing the weights (a graph must not compile: the bench's runs are new engines)
+    _launched: set = set()
+
+    def __init__(self, be, weights, kv, chunk: int, use_graph: bool):
+        self.be, self.weights, self.kv, self.chunk = be, weights, kv, chunk
+        self.use_graph = use_graph and gpu_present()
+        self.passes: dict[int, ChunkPass] = {}
+        self._stream = None  # every width's graph replays on one stream, in launch order
+        self._kind = (id(weights.token_embd), kv.fmt, kv.qsa_budget > 0, weights.experts is not None)
+
+    @staticmethod
+    def supported(be, kv) -> bool:
+        return be.name == "cuda" and not kv.streamed and enabled()
+
+    def fits(self, start: int, n: int) -> bool:
+        """Do the padded chunk's cells fit the cache? (The kernels do not bounds-check positions.)"""
+        return 0 <= start and start + width_for(n, self.chunk) <= self.kv.n_blocks * BLOCK
+
+    def run(self, ids, start: int) -> np.ndarray:
+        """ids (n <= chunk) at start, start + 1, ... through every layer: the last one's
+        logits (vocab,). Their cells are written, and the padding's after them."""
+        n = len(ids)
+        assert 1 <= n <= self.chunk and self.fits(start, n), (n, start)
+        width = width_for(n, self.chunk)
+        p = self.passes.get(width)
+        if p is None:
+            p = self.passes[width] = ChunkPass(self.be, width)
+        padded = np.full(width, ids[-1], np.int32)
+        padded[:n] = ids
+        self.be.copy_into(p.tokens, padded)  # from pageable memory: waits for the passes before
+        self.be.copy_into(p.positions, np.arange(start, start + width, dtype=np.int32))
+        self.be.copy_into(p.last, np.array([n - 1], np.int32))
+        launched = (width, *self._kind) in PromptChunks._launched
+        if p.graph is None and self.use_graph and launched:
+            from numba import cuda
+
+            from ..backend.cuda_graph import StepGraph
+
+            if self._stream is None:
+                self._stream = cuda.stream()
+            self.be.synchronize()
+            p.graph = StepGraph(lambda: self.launch(p), self._stream)  # records the launches; runs nothing
+            p.logits = p.graph.result
+        if p.graph is not None:
+            p.graph.replay()
+            p.graph.synchronize()
+        else:
+            with self.be.deferred_frees():
+                p.logits = self.launch(p)
+            PromptChunks._launched.add((width, *self._kind))
+        logits = self.be.to_numpy(p.logits)[0]
+        if self.weights.experts is not None:
+            self.weights.experts.after_pass(prompt=True)  # the expert cache adapts between passes
+        return logits
+
+    def launch(self, p: ChunkPass):
+        return forward(self.be, self.weights, self.kv, p.tokens, p.positions, prompt=True, last=p.last)
+# --8<-- [end:prompt_chunks]
