@@ -45,6 +45,19 @@ def test_a_prompt_reuses_the_whole_chunks_it_shares_and_runs_at_least_one_token(
     assert c.resume(list(range(8))) == 4  # the same 8 tokens: one must be left to run, so one chunk
 
 
+def test_where_rows_stand_alone_a_prompt_resumes_at_any_token():
+    """chunk 1 (the cuda backend's rows-alone prompt path): the whole prompt is parked,
+    and a later prompt reuses every token it shares but its last."""
+    kv = RecordingKV()
+    c = ConversationCache(kv, 1, 1000)
+    a = list(range(10))
+    c.park(a)
+    assert kv.snapshots == [10]
+    assert c.resume(a + [50, 51]) == 10 and kv.restored == []
+    assert c.resume(a[:7] + [99]) == 7
+    assert c.resume(a) == 9  # one left to run
+
+
 def test_a_conversation_the_engine_no_longer_holds_is_restored():
     c, kv = cache(100)
     a, b = list(range(9)), list(range(100, 109))

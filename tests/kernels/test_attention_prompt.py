@@ -51,28 +51,37 @@ def test_queries_that_disagree_get_a_block_each():
 
 
 
-@pytest.mark.parametrize("q_pos", [np.arange(30, 35, dtype=np.int32), np.arange(86, 91, dtype=np.int32)],
-                         ids=["early", "late"])
-def test_splits_sized_on_the_device(q_pos, monkeypatch):
-    """A prompt chunk replayed from a graph (engine/prompt_chunk.py) passes the whole
-    cache's row of blocks, and its positions in device memory: the kernel sizes its splits
-    from the last query's position. They must be the splits the host makes for the row
-    cut at the chunk's last block, so the output has the same bits (one combine row here
-    adds the splits in order, and a split with nothing to read adds exact zeros). Here a
-    whole row of 24 blocks, splits of at least 4 blocks, and 2 splits a chunk: the late
-    chunk reads 6 blocks, 4 + 2 (sized from the whole row, it would be one split of 12)."""
-    monkeypatch.setattr(attention_prefill, "BLOCKS_PER_SPLIT", 4)
-    monkeypatch.setattr(attention_prefill, "PROMPT_THREAD_BLOCKS", 2 * N_KV)  # one tile: 2 splits
+
+def test_rows_alone_a_query_gets_its_bits_in_any_chunk(monkeypatch):
+    """rows_alone: a query's output is the same whatever chunk it comes in and however far
+    the row of blocks reaches (so a conversation cache can resume a prompt at any token,
+    engine/prompt_chunk.py). Queries 86..90 alone, and as the last 5 of 78..90, and with
+    a whole row of 24 blocks in device memory (a chunk replayed from a graph): the same
+    bits. Splits of 4 blocks from block 0 (two here). The negative control: sized by the
+    chunk (rows_alone off), the 13-query chunk makes one split where 5 queries make two,
+    and the bits differ."""
+    monkeypatch.setattr(attention_prefill, "ALONE_BLOCKS_PER_SPLIT", 4)
+    monkeypatch.setattr(attention_prefill, "BLOCKS_PER_SPLIT", 1)
+    monkeypatch.setattr(attention_prefill, "PROMPT_THREAD_BLOCKS", 2 * N_KV)  # one tile: 2 splits; three: 1
     fmt = "k8v4"  # rotates the output back, after the combine
     pool, host = filled_cache(fmt, PAGE_TABLE, n_slots=4)
+    q_pos = np.arange(78, 91, dtype=np.int32)
+    q = np.random.default_rng(5).standard_normal((len(q_pos), N_HEADS, HEAD_DIM), np.float32)
+    outputs = {}
+    for alone in (True, False):
+        chunk = run(lambda *a: attention(*a, rows_alone=alone), fmt, q, q_pos, shared_blocks_upto(q_pos), PAGE_TABLE,
+                    pool, host)[8:]
+        five = run(lambda *a: attention(*a, rows_alone=alone), fmt, q[8:], q_pos[8:], shared_blocks_upto(q_pos[8:]),
+                   PAGE_TABLE, pool, host)
+        outputs[alone] = chunk, five
+    chunk, five = outputs[True]
+    np.testing.assert_array_equal(chunk, five)
     page_table = np.concatenate([PAGE_TABLE, np.full(18, -1, np.int32)])  # blocks no query reaches
     whole_row = cuda.to_device(np.arange(len(page_table), dtype=np.int32).reshape(1, -1))
-    q = np.random.default_rng(5).standard_normal((len(q_pos), N_HEADS, HEAD_DIM), np.float32)
-    on_device = run(lambda f, q, p, b, *rest: attention(f, q, cuda.to_device(p), whole_row, *rest,
-                                                        splits_on_device=True), fmt, q, q_pos, None, page_table,
-                    pool, host)
-    cut = shared_blocks_upto(q_pos)
-    on_host = run(attention, fmt, q, q_pos, cut, PAGE_TABLE, pool, host)
-    np.testing.assert_array_equal(on_device, on_host)
-    np.testing.assert_allclose(on_device, run(attention_ref, fmt, q, q_pos, cut, PAGE_TABLE, pool, host),
-                               atol=ATOL, rtol=RTOL)
+    on_device = run(lambda f, q, p, b, *rest: attention(f, q, cuda.to_device(p), whole_row, *rest, rows_alone=True),
+                    fmt, q[8:], q_pos[8:], None, page_table, pool, host)
+    np.testing.assert_array_equal(on_device, five)
+    np.testing.assert_allclose(five, run(attention_ref, fmt, q[8:], q_pos[8:], shared_blocks_upto(q_pos[8:]),
+                                         PAGE_TABLE, pool, host), atol=ATOL, rtol=RTOL)
+    chunk, five = outputs[False]
+    assert not np.array_equal(chunk, five)

@@ -33,19 +33,22 @@ def test_a_chunk_runs_as_the_next_width_up():
     assert width_for(3, 8) == 8  # never wider than the chunk
 
 
-def plan(start: int, end: int, chunk: int) -> list[tuple[int, int]]:
-    """(start, width) of each chunk Engine.prefill runs from `start`."""
-    return [(at, width_for(min(chunk, end - at), chunk)) for at in range(start, end, chunk)]
+def test_prepare_captures_the_widths_a_prefill_will_replay(monkeypatch):
+    """The bench captures a prefill's graphs before timing it: one per chunk, at its
+    width, and none for a chunk whose padding would pass the cache's end."""
+    from types import SimpleNamespace
 
+    from strata_nb.engine.prompt_chunk import PromptChunks
 
-def test_a_prefill_resumed_at_a_chunk_boundary_reruns_the_cold_chunks():
-    """The conversation cache resumes a prompt at a whole chunk (serve/conversations.py):
-    the chunks it runs must be the cold prefill's last ones, with the same widths, or the
-    cached reply's cells would be computed another way than a cold server's."""
-    for end in (4125, 4096, 2049, 300):
-        cold = plan(0, end, 2048)
-        for k in range(len(cold)):
-            assert plan(k * 2048, end, 2048) == cold[k:]
+    kv = SimpleNamespace(n_blocks=512, fmt="fp16", qsa_budget=0)  # 8,192 cells
+    chunks = PromptChunks(NumpyBackend(), SimpleNamespace(token_embd=None, experts=None), kv, 2048, False)
+    captured = []
+    monkeypatch.setattr(chunks, "_capture", lambda p: captured.append(p.width))
+    chunks.prepare(4125)
+    assert captured == [2048, 2048, 32]
+    captured.clear()
+    chunks.prepare(60, start=8150)  # 64 rows from 8,150 would pass 8,192
+    assert captured == []
 
 
 def greedy(engine):
@@ -97,7 +100,8 @@ def test_replayed_chunks_equal_launched_ones(default_model_path, monkeypatch, kv
     """On a GPU: a prefill whose chunks are replayed from graphs (a full chunk and a padded
     tail; the engine that launched them one by one compiled them, so each width is
     captured at its first use) gives the bits the same chunks give launched one by one,
-    logits and cells; and the logits are the host path's within LOGIT_ATOL."""
+    logits and cells, as does a prefill resumed mid-chunk (rows alone); and the logits
+    are the host path's within LOGIT_ATOL."""
     from importlib import resources
 
     monkeypatch.setenv("STRATA_NB_DEVICE_PROMPT", "1")
@@ -113,5 +117,52 @@ def test_replayed_chunks_equal_launched_ones(default_model_path, monkeypatch, kv
     assert got.tobytes() == want.tobytes()
     for a, b in zip(launched.kv.snapshot(len(ids))["layers"], replayed.kv.snapshot(len(ids))["layers"]):
         assert all(np.array_equal(a[f], b[f]) for f in a), "a replayed chunk wrote other cells"
+    resumed = Engine.load(**common)  # rows alone: a prefill resumed mid-chunk writes the same cells
+    resumed.prefill(ids[:300])
+    assert resumed.prefill(ids, start=300).tobytes() == want.tobytes()
+    for a, b in zip(launched.kv.snapshot(len(ids))["layers"], resumed.kv.snapshot(len(ids))["layers"]):
+        assert all(np.array_equal(prompt_cells(a[f], len(ids)), prompt_cells(b[f], len(ids))) for f in a), \
+            "a resumed prefill wrote other cells"
     monkeypatch.setenv("STRATA_NB_DEVICE_PROMPT", "0")
     assert_logits_close(got, Engine.load(**common).prefill(ids))
+
+
+def cells_and_logits(tiny_model, prefills, **settings):
+    """(last logits, every layer's cells of the prompt) after the given prefills, each
+    (ids, start), on the cuda backend."""
+    s = Settings(model=tiny_model, kv="fp16", device="cpu", prefill_chunk=CHUNK, **({"max_context": 64} | settings))
+    eng = Engine(s, GGUFModel(tiny_model), CudaBackend(), quiet=True)
+    for ids, start in prefills:
+        logits = eng.prefill(ids, start=start)
+    return logits, eng.kv.snapshot(len(PROMPT))["layers"]
+
+
+def prompt_cells(a, n: int = len(PROMPT)):
+    """A snapshot array (blocks, n_kv, 16, per_head) cut to a prompt's n cells (the rest
+    of its last block holds a padding's cells, or none)."""
+    return a.swapaxes(1, 2).reshape(-1, *a.shape[1:2], *a.shape[3:])[:n]
+
+
+def assert_same_bits(a, b):
+    assert a[0].tobytes() == b[0].tobytes(), "the logits differ"
+    for la, lb in zip(a[1], b[1]):
+        for field in la:
+            assert prompt_cells(la[field]).tobytes() == prompt_cells(lb[field]).tobytes(), f"cells of {field} differ"
+
+
+@pytest.mark.sim_engine  # six prefills under the simulator: about two minutes
+def test_a_prompt_resumed_at_any_token_writes_one_prefill_s_cells(tiny_model, monkeypatch):
+    """Rows alone (engine/prompt_chunk.py), what lets a conversation cache resume anywhere:
+    a prefill resumed at token 11, and at 19 (a chunk of 2 rows), writes the cells of one
+    prefill of all 21, every layer, and gives its logits, bit for bit. So does a streamed
+    cache, whose chunks run from the host through the stage. (The path of before, resumed
+    at 19, happened to give the same bits too under the simulator for this model, so the
+    negative control is the kernel's: test_attention_prompt.py's rows-alone test.)"""
+    from strata_nb.kv.plan import StreamPlan
+
+    monkeypatch.setenv("STRATA_NB_DEVICE_PROMPT", "1")
+    whole = cells_and_logits(tiny_model, [(PROMPT, 0)])
+    for k in (11, 19):
+        assert_same_bits(whole, cells_and_logits(tiny_model, [(PROMPT[:k], 0), (PROMPT, k)]))
+    streamed = dict(max_context=128, kv_window=16, kv_resident=StreamPlan.minimum_cells(16))
+    assert_same_bits(whole, cells_and_logits(tiny_model, [(PROMPT, 0)], **streamed))

@@ -12,6 +12,7 @@ returns a new device array, except `add_`, which adds in place.
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -66,6 +67,24 @@ class CudaBackend:
 
     def synchronize(self):
         cuda.synchronize()
+
+    _tiled_from = matvec.MAX_ROWS + 1  # rows from which a product takes the tiled matmul
+
+    def _tiled(self, x) -> bool:
+        return x.shape[0] >= self._tiled_from
+
+    @contextmanager
+    def rows_alone(self, on: bool):
+        """Within it (on): every product takes the tiled matmul and its separate norm, RoPE
+        and append kernels, whatever its rows, so a prompt chunk of 3 rows computes each
+        row as one of 300 does (engine/prompt_chunk.py says why that matters)."""
+        before = CudaBackend._tiled_from
+        if on:
+            CudaBackend._tiled_from = 1
+        try:
+            yield
+        finally:
+            CudaBackend._tiled_from = before
 
     def deferred_frees(self):
         """One forward pass's scope: device memory its temporaries free is given back when it
@@ -170,7 +189,7 @@ class CudaBackend:
         # x (n, in) float32, w (out, in) -> (n, out): matvec for a step or verify window,
         # the tiled matmul for a prompt chunk
         y = device_empty((x.shape[0], w.shape[0]), np.float32)
-        (matvec.matvec if x.shape[0] <= matvec.MAX_ROWS else matmul.matmul)(x, w.raw, w.qtype, y)
+        (matmul.matmul if self._tiled(x) else matvec.matvec)(x, w.raw, w.qtype, y)
         return y
 
     def rmsnorm(self, x, w, eps: float):
@@ -200,7 +219,7 @@ class CudaBackend:
     # `ahead`: the matrix the step multiplies next. The matvec's threads read it into L2
     # while they work (kernels/dense/matvec_fused.py: reading ahead), so the next launch finds it there.
     def normed_matmul(self, x, norm, eps: float, w: DeviceMatrix, ahead: DeviceMatrix | None = None):
-        if x.shape[0] > matvec.MAX_ROWS:
+        if self._tiled(x):
             return self.matmul(self.rmsnorm(x, norm, eps), w)
         y = device_empty((x.shape[0], w.shape[0]), np.float32)
         matvec.matvec(x, w.raw, w.qtype, y, norm=norm, eps=eps, ahead=_rows(ahead))
@@ -212,7 +231,7 @@ class CudaBackend:
         # fp16/fp32 cells the append in its epilogue. q, k and v are then views of its one
         # output row. Several rows interleave the heads, so a verify window or prompt chunk
         # rotates with the separate kernel, and appends with the writer's.
-        if x.shape[0] != 1:
+        if x.shape[0] != 1 or self._tiled(x):
             q, k, v = self.rope_qkv(self.normed_matmul(x, norm, eps, w), cos, sin, n_heads, n_kv, hd)
         else:
             qkv = device_empty((1, w.shape[0]), np.float32)
@@ -229,13 +248,13 @@ class CudaBackend:
         return q, k, v
 
     def matmul_add_(self, x, a, w: DeviceMatrix, ahead: DeviceMatrix | None = None):
-        if x.shape[0] > matvec.MAX_ROWS:
+        if self._tiled(x):
             return self.add_(x, self.matmul(a, w))
         matvec.matvec(a, w.raw, w.qtype, x, add=True, ahead=_rows(ahead))
         return x
 
     def gated_matmul_add_(self, x, gate_up, w: DeviceMatrix, ahead: DeviceMatrix | None = None):
-        if x.shape[0] > matvec.MAX_ROWS:
+        if self._tiled(x):
             return self.add_(x, self.matmul(self.swiglu(gate_up), w))
         matvec.matvec(gate_up, w.raw, w.qtype, x, swiglu=True, add=True, ahead=_rows(ahead))
         return x
@@ -251,7 +270,7 @@ class CudaBackend:
         chosen, weights = device_empty((n, k), np.int32), device_empty((n, k), np.float32)
         slot_of = device_empty((n, k), np.int32)  # the router looks each chosen expert up once
         h = device_empty((n, k, experts.host_gate_up.shape[1] // 2), np.float32)
-        if routed_gate_up() and n <= matvec.MAX_ROWS and router.raw.shape[0] <= ROUTED_EXPERTS:
+        if routed_gate_up() and not self._tiled(x) and router.raw.shape[0] <= ROUTED_EXPERTS:
             routed_expert_gate_up(x, norm, eps, router.raw, router.qtype, chosen, weights, slot_of, experts.res, at,
                                   experts.lookups, experts.hits, experts.slot_gate_up, experts.host_gate_up,
                                   experts.qtype, h, ahead=(experts.slot_down, experts.host_down))

@@ -43,6 +43,11 @@ class NumpyBackend:
         if dst is not src:
             dst[...] = src
 
+    def rows_alone(self, on: bool):
+        """The cuda backend's scope for a prompt chunk whose rows must not depend on its
+        size; the references here make no such promise (serve/conversations.py)."""
+        return contextlib.nullcontext()
+
     def deferred_frees(self):
         """The cuda backend's scope for one forward pass; nothing to defer here."""
         return contextlib.nullcontext()

@@ -3,8 +3,10 @@
 One configuration is a KV format, a mode (fully resident, or streamed at the minimum
 resident size with QSA) and a depth (prompt tokens before decode). First an untimed
 warm-up on a short prompt compiles the format's kernels. Then each run builds a fresh
-cache, prefills the prompt (timed), decodes WARMUP steps untimed (the first captures the
-graph), then times `n_decode` steps. The reported rate is the median of runs.
+cache, prefills the prompt (timed; where prompt chunks replay from graphs,
+engine/prompt_chunk.py, the graphs are captured first, untimed), decodes WARMUP steps
+untimed (the first captures the step's graph), then times `n_decode` steps. The reported
+rate is the median of runs.
 """
 from __future__ import annotations
 
@@ -120,6 +122,9 @@ def run_config(base, cfg: Config, prompt: list[int], runs: int, n_decode: int) -
     prefill_rates, decode_rates, tokens, layer0, expert_runs, spec_runs = [], [], None, None, [], []
     for _ in range(runs):
         eng = base.derive(**changes)
+        chunks = eng.prompt_chunks()
+        if chunks is not None:  # graphs the prefill replays, captured untimed as the decode step's
+            chunks.prepare(len(prompt))
         t0 = time.perf_counter()
         logits = eng.prefill(prompt)  # returns host logits: the prefill has finished
         prefill_rates.append(len(prompt) / (time.perf_counter() - t0))

@@ -29,6 +29,7 @@ from .decode_step import DeviceStep
 from .draft import MIN_NGRAM, Drafter, WindowWidth
 from .forward import forward
 from .prompt_chunk import PromptChunks
+from .prompt_chunk import enabled as device_prompt_enabled
 from .sampling import sample
 from .verify_window import VerifyWindow
 
@@ -95,7 +96,7 @@ class Engine:
         else:
             self.tokenizer = Tokenizer(model)
             self.weights = load_weights(be, model)
-        self.kv = KVCache(be, self.config, settings)
+        self.kv = KVCache(be, self.config, settings, rows_alone=be.name == "cuda" and device_prompt_enabled())
         self.load_seconds = 0.0  # set by Engine.load
         if self.kv.streamed and not quiet:
             print(self.kv.describe(), file=sys.stderr)

@@ -27,20 +27,21 @@ def forward(be, w: ModelWeights, kv, ids, positions, prompt: bool, all_logits: b
     pos = be.asarray(positions)
     x = be.embed(w.token_embd, be.asarray(ids))  # (n, d) the residual stream
     cos, sin = be.embed(w.rope_cos, pos), be.embed(w.rope_sin, pos)  # (n, hd/2)
-    for layer, L in enumerate(w.layers):
-        after = w.layers[layer + 1].wqkv if layer + 1 < len(w.layers) else w.output  # the next product
-        # q (n, n_heads, hd), k and v (n, n_kv, hd): the q|k|v product, its q and k roped,
-        # k and v appended to the cache: host copy + VRAM through the one writer
-        q, k, v = be.normed_matmul_rope(x, L.attn_norm, eps, L.wqkv, cos, sin, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
-                                        ahead=L.wo, append=kv.append_to(layer, positions, prompt))
-        a = kv.attend(layer, q, positions, prompt)  # (n, n_heads, hd)
-        be.matmul_add_(x, a.reshape(n, cfg.n_heads * cfg.head_dim), L.wo,  # x += a Wo
-                       ahead=L.wgate_up if L.router is None else L.router)
-        if L.router is None:  # a dense FFN
-            gate_up = be.normed_matmul(x, L.ffn_norm, eps, L.wgate_up, ahead=L.wdown)  # (n, 2 ff)
-            be.gated_matmul_add_(x, gate_up, L.wdown, ahead=after)  # x += swiglu(gate_up) Wdown
-        else:  # experts: each token's K of E SwiGLU FFNs, weighted by the router, from the expert cache
-            be.moe_ffn_add_(x, L.ffn_norm, eps, L.router, w.experts, layer, ahead=after)
+    with be.rows_alone(prompt and kv.rows_alone):  # each prompt row as in any chunk (engine/prompt_chunk.py)
+        for layer, L in enumerate(w.layers):
+            after = w.layers[layer + 1].wqkv if layer + 1 < len(w.layers) else w.output  # the next product
+            # q (n, n_heads, hd), k and v (n, n_kv, hd): the q|k|v product, its q and k roped,
+            # k and v appended to the cache: host copy + VRAM through the one writer
+            q, k, v = be.normed_matmul_rope(x, L.attn_norm, eps, L.wqkv, cos, sin, cfg.n_heads, cfg.n_kv_heads,
+                                            cfg.head_dim, ahead=L.wo, append=kv.append_to(layer, positions, prompt))
+            a = kv.attend(layer, q, positions, prompt)  # (n, n_heads, hd)
+            be.matmul_add_(x, a.reshape(n, cfg.n_heads * cfg.head_dim), L.wo,  # x += a Wo
+                           ahead=L.wgate_up if L.router is None else L.router)
+            if L.router is None:  # a dense FFN
+                gate_up = be.normed_matmul(x, L.ffn_norm, eps, L.wgate_up, ahead=L.wdown)  # (n, 2 ff)
+                be.gated_matmul_add_(x, gate_up, L.wdown, ahead=after)  # x += swiglu(gate_up) Wdown
+            else:  # experts: each token's K of E SwiGLU FFNs, weighted by the router, from the expert cache
+                be.moe_ffn_add_(x, L.ffn_norm, eps, L.router, w.experts, layer, ahead=after)
     if last is not None:
         x = be.embed(x, last)  # row last[0], gathered on the device
     elif not all_logits:

@@ -1,4 +1,5 @@
-"""Prompt chunks whose inputs live in device memory, so they can be replayed from graphs.
+"""Prompt chunks whose inputs live in device memory, so they can be replayed from graphs,
+and prompt cells whose bytes do not depend on the chunk that computed them.
 
 A prompt chunk launched from the host costs about 400 launches and as many device
 arrays, tens of milliseconds of Python whatever the chunk's size: on a GPU the host, not
@@ -10,23 +11,28 @@ what changes from chunk to chunk in device memory that the kernels read:
     positions  (W,) int32  start, start + 1, ..., start + W - 1
     last       (1,) int32  the chunk's last real row, whose logits the pass makes
 
-and attention reads the whole cache's row of blocks, each query cut at its position,
-with the splits sized on the device from the chunk's last position
-(kernels/attention/attention_prefill.py). So every chunk of width W makes the same
-launches, captured once into a CUDA graph (backend/cuda_graph.py) and replayed.
+and attention reads the whole cache's row of blocks, each query cut at its position. So
+every chunk of width W makes the same launches, captured once into a CUDA graph
+(backend/cuda_graph.py) and replayed.
 
 Widths: a chunk has `--prefill-chunk` tokens but the last, and the last is padded up to
 the next width of a short ladder (16, 32, 64, ... below the chunk size), so a handful of
 graphs serve every prompt. The padded rows come after the real ones, so no real row sees
 them; their cells lie past the prompt's end, to be written over by whatever comes next
 at those positions, as a rejected draft's are. A chunk whose padding would pass the
-cache's end runs from the host (`fits`). Which chunks and widths a prompt gets depends
-only on where it starts and ends, so a conversation cache that resumes at a chunk
-boundary (serve/conversations.py) reruns the chunks a cold prefill runs, the same way.
+cache's end runs from the host (`fits`), as does every chunk of a streamed cache (its
+chunks first stage the blocks before them from the host copy, a host decision).
 
-Resident caches only: a streamed cache's chunk first stages the blocks before it from the
-host copy, a host decision per chunk. Without a GPU (the simulator) or with --no-graph,
-the same launches run one by one; the tests check them against the host path.
+Rows alone. Padding, and a conversation cache that resumes a prompt anywhere, both need
+a prompt row to come out the same whatever chunk it is in. On this path it does
+(`KVCache.rows_alone`): every product takes the tiled matmul, even for 3 rows
+(`CudaBackend.rows_alone`), and prompt attention splits each query's cells at fixed
+blocks from block 0 (attention_prefill.py: `attention_prompt`). The numpy backend's
+BLAS makes no such promise, so its conversation cache resumes at whole chunks
+(serve/conversations.py).
+
+Without a GPU (the simulator) or with --no-graph, the same launches run one by one; the
+tests check them against the host path and the numpy backend.
 `STRATA_NB_DEVICE_PROMPT=1` turns this path on; it is off until measured on a GPU.
 """
 from __future__ import annotations
@@ -87,7 +93,7 @@ class PromptChunks:
 
     @staticmethod
     def supported(be, kv) -> bool:
-        return be.name == "cuda" and not kv.streamed and enabled()
+        return be.name == "cuda" and kv.rows_alone and not kv.streamed
 
     def fits(self, start: int, n: int) -> bool:
         """Do the padded chunk's cells fit the cache? (The kernels do not bounds-check positions.)"""
@@ -99,25 +105,13 @@ class PromptChunks:
         n = len(ids)
         assert 1 <= n <= self.chunk and self.fits(start, n), (n, start)
         width = width_for(n, self.chunk)
-        p = self.passes.get(width)
-        if p is None:
-            p = self.passes[width] = ChunkPass(self.be, width)
+        p = self._pass(width)
         padded = np.full(width, ids[-1], np.int32)
         padded[:n] = ids
         self.be.copy_into(p.tokens, padded)  # from pageable memory: waits for the passes before
         self.be.copy_into(p.positions, np.arange(start, start + width, dtype=np.int32))
         self.be.copy_into(p.last, np.array([n - 1], np.int32))
-        launched = (width, *self._kind) in PromptChunks._launched
-        if p.graph is None and self.use_graph and launched:
-            from numba import cuda
-
-            from ..backend.cuda_graph import StepGraph
-
-            if self._stream is None:
-                self._stream = cuda.stream()
-            self.be.synchronize()
-            p.graph = StepGraph(lambda: self.launch(p), self._stream)  # records the launches; runs nothing
-            p.logits = p.graph.result
+        self._capture(p)
         if p.graph is not None:
             p.graph.replay()
             p.graph.synchronize()
@@ -129,6 +123,35 @@ class PromptChunks:
         if self.weights.experts is not None:
             self.weights.experts.after_pass(prompt=True)  # the expert cache adapts between passes
         return logits
+
+    def prepare(self, n: int, start: int = 0):
+        """Capture now the graphs a prefill of n tokens from `start` will replay, where this
+        process has launched their kind already: a timed prefill then pays for none (the
+        bench's, as its decode steps are timed after the step's graph is captured).
+        Capturing runs nothing."""
+        for at in range(start, start + n, self.chunk):
+            m = min(self.chunk, start + n - at)
+            if self.fits(at, m):
+                self._capture(self._pass(width_for(m, self.chunk)))
+
+    def _pass(self, width: int) -> ChunkPass:
+        if width not in self.passes:
+            self.passes[width] = ChunkPass(self.be, width)
+        return self.passes[width]
+
+    def _capture(self, p: ChunkPass):
+        """Capture p's graph if there is none yet and its kind's kernels are made."""
+        if p.graph is not None or not self.use_graph or (p.width, *self._kind) not in PromptChunks._launched:
+            return
+        from numba import cuda
+
+        from ..backend.cuda_graph import StepGraph
+
+        if self._stream is None:
+            self._stream = cuda.stream()
+        self.be.synchronize()
+        p.graph = StepGraph(lambda: self.launch(p), self._stream)  # records the launches; runs nothing
+        p.logits = p.graph.result
 
     def launch(self, p: ChunkPass):
         return forward(self.be, self.weights, self.kv, p.tokens, p.positions, prompt=True, last=p.last)

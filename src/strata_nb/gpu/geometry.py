@@ -41,6 +41,7 @@ EXPERT_DOWN_WARPS = on_gpu(8, simulator=1)  # the fast expert_down's warps a blo
 PROMPT_TILE_ROWS = on_gpu(48, simulator=12)  # query rows of a prompt tile
 PROMPT_ROW_GROUPS = on_gpu(8, simulator=2)  # thread rows of a prompt tile
 PROMPT_BLOCKS_PER_SPLIT = on_gpu(4, simulator=64)  # selected blocks per prompt thread block, at least
+PROMPT_ALONE_BLOCKS_PER_SPLIT = on_gpu(16, simulator=64)  # per prompt thread block, when rows stand alone
 COMBINE_GROUPS = on_gpu(16, simulator=1)  # thread rows of the combine kernel
 STEP_THREADS = on_gpu(256, simulator=32)  # threads of a decode step's attention block
 MERGE_UNROLL = on_gpu(8, simulator=2)  # splits a merging thread loads before it adds them

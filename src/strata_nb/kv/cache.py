@@ -51,8 +51,12 @@ class LayerKV(KVDest):
 
 
 class KVCache:
-    def __init__(self, be, cfg, settings):
+    def __init__(self, be, cfg, settings, rows_alone: bool = False):
+        """rows_alone: prompt attention gives each query the bits it gets in any chunk
+        (kernels/attention/attention_prefill.py: attention_prompt), as the forward pass's
+        other prompt ops then do (engine/prompt_chunk.py says why)."""
         self.be, self.cfg, self.fmt = be, cfg, settings.kv
+        self.rows_alone = rows_alone
         self.fault, self.qsa_budget = settings.fault, settings.qsa_budget
         self.window_blocks = settings.kv_window // BLOCK
         self.n_blocks = -(-settings.max_context // BLOCK)
@@ -187,9 +191,9 @@ class KVCache:
         # rotate_out: attention mixed rotated V rows, so H (= H^-1) brings the output back,
         # applied by the kernel that writes it
         # ordered: a step's device list ascends, -1 padded at the end, as NumPy ones do
-        # splits_on_device: a prompt chunk in device memory sizes its splits from its positions
+        # rows_alone: a prompt cell's bytes do not depend on the chunk that computed it
         self._attention(self.fmt, q, self._on_device(positions), blocks, src.page_table, src.pool, src.host, out,
-                        rotate_out="v" in rotates(self.fmt), ordered=True, splits_on_device=on_device and prompt)
+                        rotate_out="v" in rotates(self.fmt), ordered=True, rows_alone=prompt and self.rows_alone)
         return out
     # --8<-- [end:attend]
 

@@ -36,8 +36,10 @@ class BadRequest(Exception):
 
 
 def create_app(engine, model_id: str, conversation_cache_mib: float = 0, conversation_fault: str = "none") -> FastAPI:
-    conversations = ConversationCache(engine.kv, engine.settings.prefill_chunk, int(conversation_cache_mib * 2**20),
-                                      conversation_fault)
+    # cells are reused in whole prompt chunks, or from any token where a prompt row's bytes
+    # do not depend on its chunk (engine/prompt_chunk.py: rows alone)
+    granule = 1 if engine.kv.rows_alone else engine.settings.prefill_chunk
+    conversations = ConversationCache(engine.kv, granule, int(conversation_cache_mib * 2**20), conversation_fault)
     worker = EngineWorker(engine, conversations)
     served: dict = {}  # (endpoint, status) -> requests
     ids = itertools.count(1)

@@ -16,6 +16,11 @@ partial chunk at its end nor the reply's cells (written by decode steps), and a 
 prefill starts on a chunk boundary. Every reused cell was then computed by the same
 chunk, over the same tokens and the same earlier cells, as a cold server computes it.
 
+Where a prompt row's bytes do not depend on the chunk that computed it (the cuda
+backend's rows-alone prompt path, engine/prompt_chunk.py), the whole prompt is parked
+and a later prompt resumes at any token: the cache's `chunk` is then 1. The reply's
+cells are never parked either way: a decode step computes them, not a prompt chunk.
+
 Parking takes `kv.snapshot`; resuming a parked conversation whose cells are not the ones
 the engine holds now takes `kv.restore`, which rewrites the host copy (or the resident
 pool) and, when the KV is streamed, refills the VRAM ring with `ring_restore`.

@@ -103,7 +103,7 @@ def attention_ref(fmt,
                   out,         # (Q, H, D) float32, written
                   rotate_out: bool = False,  # apply H to each output head row (a rotated V comes back)
                   ordered: bool | None = None,  # the launcher's hint (rows ascend); a set here
-                  splits_on_device: bool = False):  # the launcher's (a prompt chunk in device memory)
+                  rows_alone: bool = False):  # the launcher's: a row never depends on the others here
     check_format(fmt, FORMATS)
     # Unwritten cells may hold any bytes (NaN, inf, huge): they are masked out below, so
     # the warnings their arithmetic raises on the way are noise.
@@ -179,7 +179,7 @@ def ordered_rows(blocks: np.ndarray) -> bool:
 
 def attention(fmt, q, q_pos, blocks, page_table, pool, host, out, rotate_out: bool = False,
               per_split: int | None = None, combine_groups: int = COMBINE_GROUPS, tile: int | None = None,
-              ordered: bool | None = None, plain: bool = False, splits_on_device: bool = False):
+              ordered: bool | None = None, plain: bool = False, rows_alone: bool = False):
     """Like attention_ref, on the device; NumPy arguments are moved (out written back).
 
     One query per thread block (a decode step, a verify window, queries whose selections
@@ -194,9 +194,9 @@ def attention(fmt, q, q_pos, blocks, page_table, pool, host, out, rotate_out: bo
     its padding at the end, which lets the step kernel skip the merge for a query whose
     cells all lie in its first split. None: a NumPy list is looked at, a device one taken
     as unordered; True for a device list is the caller's word (a step's list); False
-    turns the shortcut off. splits_on_device: a prompt chunk whose positions are in
-    device memory, with the whole cache's row of blocks (attention_prompt says how its
-    splits are sized)."""
+    turns the shortcut off. rows_alone: a prompt chunk's query gets the same bits
+    whatever chunk it comes in, and however far the shared row of blocks reaches
+    (attention_prompt says how)."""
     assert not plain or per_split is None, "the plain kernel has no splits"
     check_format(fmt, FORMATS)
     expect("q", q, np.float32, (None, None, None))
@@ -222,16 +222,17 @@ def attention(fmt, q, q_pos, blocks, page_table, pool, host, out, rotate_out: bo
             for s in specs}
     if n_q == 0:
         return
-    assert not splits_on_device or (tile > 1 and blocks.shape[0] == 1), "splits on the device: a shared row, in tiles"
+    assert not rows_alone or blocks.shape[0] == 1, "rows_alone is for a prompt chunk's shared row"
     kind_k, kind_v = SIDES[fmt]
-    if tile == 1 and blocks.shape[0] != n_q:  # the step kernel reads a row per query
+    step_kernel = tile == 1 and not rows_alone  # one query per thread block (rows_alone: the prompt kernel's bits)
+    if step_kernel and blocks.shape[0] != n_q:  # the step kernel reads a row per query
         assert isinstance(blocks, np.ndarray), "a shared selection in device memory is for one query"
         blocks = np.ascontiguousarray(np.broadcast_to(blocks, (n_q, blocks.shape[1])))
     with DeviceArgs() as dev:
         sides = (*side_arrays(kind_k, "k", pool, dev), *side_arrays(kind_v, "v", pool, dev),
                  *side_arrays(kind_k, "k", host, dev), *side_arrays(kind_v, "v", host, dev))
         args = (dev.read(q), dev.read(q_pos), dev.read(blocks), dev.read(page_table), score_scale(head_dim))
-        if tile == 1:
+        if step_kernel:
             if isinstance(blocks, np.ndarray):  # looked at: None = as found, True = it must be
                 found = ordered_rows(blocks)
                 assert found or not ordered, "ordered=True, but a row of blocks does not ascend with its padding last"
@@ -242,4 +243,4 @@ def attention(fmt, q, q_pos, blocks, page_table, pool, host, out, rotate_out: bo
                 attention_step(fmt, n_kv, args, sides, dev.write(out), rotate_out, per_split, bool(ordered))
             return
         attention_prompt(fmt, n_kv, args, sides, dev.write(out), rotate_out, per_split, combine_groups, tile,
-                         splits_on_device)
+                         rows_alone)

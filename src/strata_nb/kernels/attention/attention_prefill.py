@@ -21,7 +21,8 @@ import math
 import numpy as np
 from numba import cuda, float32, int32, uint64
 
-from strata_nb.gpu.geometry import PROMPT_BLOCKS_PER_SPLIT, PROMPT_ROW_GROUPS, PROMPT_TILE_ROWS
+from strata_nb.gpu.geometry import (PROMPT_ALONE_BLOCKS_PER_SPLIT, PROMPT_BLOCKS_PER_SPLIT, PROMPT_ROW_GROUPS,
+                                    PROMPT_TILE_ROWS)
 from strata_nb.gpu.launch import device_empty, stream
 from strata_nb.kernels.attention.attention_step import HEAD_DIMS, MAX_HEAD_DIM, NEG_INF
 from strata_nb.kernels.kv.hadamard import hadamard
@@ -45,6 +46,9 @@ COLUMN_HALVES, QUERY_HALVES = 2 * MAX_TILE_COLUMNS, 2 * MAX_TILE_QUERIES  # a ro
 # Selected blocks per thread block of the prompt kernel, at least (4 = one round); the
 # simulator's splits cover up to 64, and tests pass per_split to exercise many splits.
 BLOCKS_PER_SPLIT = PROMPT_BLOCKS_PER_SPLIT
+# Selected blocks per split when each query's output must not depend on its chunk
+# (attention_prompt's rows_alone): fixed, so it cannot follow the chunk's size
+ALONE_BLOCKS_PER_SPLIT = PROMPT_ALONE_BLOCKS_PER_SPLIT
 # A prompt chunk's splits: about this many thread blocks in all (a few waves of the GPU),
 # so a 2,048-query chunk does not keep (query, head, split) partial sums for 4-block splits
 PROMPT_THREAD_BLOCKS = 2048
@@ -83,7 +87,7 @@ def make_attention_kernel(read_k, read_v, D):
                          blocks,      # (Q, S) int32, -1 = padding; or (1, S), every query's
                          page_table,  # (n_logical_blocks,) int32
                          scale,       # float32: 1 / sqrt(D)
-                         per_split,   # int32: selected blocks per split; -n: sized here, at least n
+                         per_split,   # int32: selected blocks per split
                          tile,        # int32: queries per thread block (their columns agree)
                          pool_ka, pool_kb, pool_va, pool_vb,  # K and V of the pool, by slot
                          host_ka, host_kb, host_va, host_vb,  # the same by logical block, or (0, ...)
@@ -150,13 +154,8 @@ def make_attention_kernel(read_k, read_v, D):
             for dd in range(DPT):
                 acc[i, dd] = float32(0.0)
 
-        span = int32(per_split)
-        if span < 0:  # sized on the device: the columns up to the chunk's last query, over the splits
-            used = min(q_pos[q.shape[0] - 1] // BLOCK + 1, blocks.shape[1])  # a chunk's positions ascend
-            span = int32(max(-span, (used + cuda.gridDim.z - 1) // cuda.gridDim.z))
-            span = int32((span + COLS - 1) // COLS * COLS)  # whole rounds
-        first = split * span
-        end = min(first + span, blocks.shape[1])
+        first = split * per_split
+        end = min(first + per_split, blocks.shape[1])
         for s0 in range(first, end, COLS):
             half = ((s0 - first) // COLS) % 2
             cb, qb = half * MAX_TILE_COLUMNS, half * MAX_TILE_QUERIES
@@ -356,34 +355,33 @@ def tile_for(blocks, group: int, head_dim: int, n_q: int | None = None) -> int:
     return tile if bool(np.all((hi < 0) | (lo == hi))) else 1
 
 
+# --8<-- [start:attention_prompt]
 def attention_prompt(fmt, n_kv, args, sides, out, rotate_out: bool, per_split: int | None, combine_groups: int,
-                     tile: int, splits_on_device: bool = False):
+                     tile: int, rows_alone: bool = False):
     """Launch the prompt kernel and the combine; attention() has checked the arrays and
     moved them. args: (q, q_pos, blocks, page_table, scale), sides: the eight pool and
     host arrays (attention.py: side_arrays), out: the device output. per_split None = a
     few waves of thread blocks in all, in whole rounds.
 
-    splits_on_device: the row of blocks is the whole cache's and the positions are in
-    device memory (a prompt chunk replayed from a graph, engine/prompt_chunk.py), so the
-    host cannot see how far the chunk reaches. The grid has the splits the chunk's size
-    calls for, and the kernel sizes them from the last query's position: the same splits
-    the host would have made for the row cut at that block (per_split is then the least)."""
+    rows_alone: each query's output must not depend on the chunk it came in. The splits
+    are then ALONE_BLOCKS_PER_SPLIT blocks (or per_split) from block 0, however far the row
+    reaches and however many queries share the launch, and the combine always has its
+    full number of thread rows; a split or a row with nothing to add adds exact zeros. A
+    query in a tile beside others reads the columns they see and it does not, each
+    masked to a weight of exactly 0, which leaves its sums as they were."""
     q, blocks = args[0], args[2]
     n_q, n_heads, head_dim = q.shape
     assert head_dim in HEAD_DIMS, f"no prompt kernel for head_dim {head_dim} (built: {HEAD_DIMS})"
     cols = tile_cells(head_dim) // BLOCK
-    want = max(1, PROMPT_THREAD_BLOCKS // (-(-n_q // tile) * n_kv))  # long prompt chunks have tiles enough
-    if splits_on_device:  # to fill the GPU: fewer, longer splits
-        least = -(-(BLOCKS_PER_SPLIT if per_split is None else per_split) // cols) * cols
-        n_splits = max(1, min(want, -(-blocks.shape[1] // least)))
-        per_split = -least
-    else:
-        if per_split is None:
-            per_split = max(BLOCKS_PER_SPLIT, -(-blocks.shape[1] // want))
-            per_split = -(-per_split // cols) * cols  # whole rounds
-        n_splits = max(1, -(-blocks.shape[1] // per_split))
-    # at most 1024 threads a block, and no more thread rows than splits
-    combine_groups = min(combine_groups, 1024 // head_dim, n_splits)
+    if rows_alone:
+        per_split = ALONE_BLOCKS_PER_SPLIT if per_split is None else per_split
+    elif per_split is None:  # long prompt chunks have tiles enough to fill the GPU: fewer, longer splits
+        want = max(1, PROMPT_THREAD_BLOCKS // (-(-n_q // tile) * n_kv))
+        per_split = max(BLOCKS_PER_SPLIT, -(-blocks.shape[1] // want))
+        per_split = -(-per_split // cols) * cols  # whole rounds
+    n_splits = max(1, -(-blocks.shape[1] // per_split))
+    # at most 1024 threads a block, and (unless rows_alone) no more thread rows than splits
+    combine_groups = min(combine_groups, 1024 // head_dim, MAX_COMBINE_GROUPS if rows_alone else n_splits)
     assert 1 <= combine_groups <= MAX_COMBINE_GROUPS, f"combine_groups {combine_groups} not in 1..{MAX_COMBINE_GROUPS}"
     part_m = device_empty((n_q, n_heads, n_splits), np.float32)
     part_l = device_empty((n_q, n_heads, n_splits), np.float32)
@@ -395,3 +393,4 @@ def attention_prompt(fmt, n_kv, args, sides, out, rotate_out: bool, per_split: i
         part_m, part_l, part_acc, mixed)
     if rotate_out:
         hadamard(mixed, out=out)
+# --8<-- [end:attention_prompt]
