@@ -177,7 +177,11 @@ def serve(host, port, conversation_cache_mib, conversation_fault, **engine_kw):
         raise click.BadParameter(f"{port} is not a port number", param_hint="--port")
     sock = listen(host, port)  # before loading: a taken port is said at once
     eng = load_engine(**engine_kw)
-    eng.warm_up(eng.prompt_ids("Hello"))  # make the kernels on a GPU now, not in the first request
+    hello = eng.prompt_ids("Hello")
+    eng.warm_up(hello)  # make the kernels on a GPU now, not in the first request
+    chunks = eng.prompt_chunks()
+    if chunks is not None and chunks.use_graph:  # and every prompt width's graph (engine/prompt_chunk.py)
+        chunks.warm(hello[0])
     model_id = Path(eng.model.path).stem
     app = create_app(eng, model_id, conversation_cache_mib, conversation_fault)
     click.echo(f"serving {model_id} on http://{host}:{sock.getsockname()[1]}/v1 ({eng.kv.describe()}; conversation cache "

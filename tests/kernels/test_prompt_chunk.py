@@ -51,6 +51,22 @@ def test_prepare_captures_the_widths_a_prefill_will_replay(monkeypatch):
     assert captured == []
 
 
+def test_warm_runs_every_width_that_fits_twice(monkeypatch):
+    """`strata-nb serve` warms every width at start (launched, then captured and replayed),
+    each from position 0, where it fits the cache."""
+    from types import SimpleNamespace
+
+    from strata_nb.engine.prompt_chunk import PromptChunks, ladder
+
+    assert ladder(2048) == [16, 32, 64, 128, 256, 512, 1024, 2048] and ladder(100) == [16, 32, 64, 100]
+    kv = SimpleNamespace(n_blocks=32, fmt="fp16", qsa_budget=0)  # 512 cells
+    chunks = PromptChunks(NumpyBackend(), SimpleNamespace(token_embd=None, experts=None), kv, 2048, False)
+    ran = []
+    monkeypatch.setattr(chunks, "run", lambda ids, start: ran.append((len(ids), start)))
+    chunks.warm(7)
+    assert ran == [(w, 0) for w in (16, 32, 64, 128, 256, 512) for _ in range(2)]
+
+
 def greedy(engine):
     """Prefill logits and STEPS greedy tokens with their logits."""
     logits = [engine.prefill(PROMPT)]

@@ -78,13 +78,13 @@ class CudaBackend:
         """Within it (on): every product takes the tiled matmul and its separate norm, RoPE
         and append kernels, whatever its rows, so a prompt chunk of 3 rows computes each
         row as one of 300 does (engine/prompt_chunk.py says why that matters)."""
-        before = CudaBackend._tiled_from
+        before = self._tiled_from
         if on:
-            CudaBackend._tiled_from = 1
+            self._tiled_from = 1
         try:
             yield
         finally:
-            CudaBackend._tiled_from = before
+            self._tiled_from = before
 
     def deferred_frees(self):
         """One forward pass's scope: device memory its temporaries free is given back when it

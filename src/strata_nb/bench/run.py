@@ -226,8 +226,11 @@ def bench(base, text: str, formats: list[str], streamed_formats: list[str], dept
         raise StrataError(f"streamed rows need --max-context above the minimum resident size ({minimum} cells); "
                           "raise it or pass --streamed-formats ''")
     check_n = min(check_n, n_decode + WARMUP + 1)  # the tokens a run has
+    chunks = base.prompt_chunks()
     result = {"rows": [], "peer": [], "runs": runs, "decode_tokens": n_decode,
-              "copy_gb_s": copy_bandwidth(base.be)}
+              "copy_gb_s": copy_bandwidth(base.be),
+              # resident rows' prompt chunks replayed from graphs (engine/prompt_chunk.py)
+              "prompt_replayed": bool(chunks is not None and chunks.use_graph)}
     if result["copy_gb_s"]:
         log(f"device copy bandwidth: {result['copy_gb_s']:,.0f} GB/s (read + write)")
     pool = checking.check_pool(workers=3) if check_n else None

@@ -62,6 +62,11 @@ def width_for(n: int, chunk: int) -> int:
     while width < n:
         width *= 2
     return min(width, chunk)
+
+
+def ladder(chunk: int) -> list[int]:
+    """Every width a chunk may run as."""
+    return sorted({width_for(n, chunk) for n in range(1, chunk + 1)})
 # --8<-- [end:widths]
 
 
@@ -79,10 +84,11 @@ class ChunkPass:
 
 # --8<-- [start:prompt_chunks]
 class PromptChunks:
-    # (width, weights, format, QSA) whose launches this process has made one by one: their
-    # kernels are compiled, so a chunk of that kind can be captured at once, by any engine
-    # sharing the weights (a graph must not compile: the bench's runs are new engines)
-    _launched: set = set()
+    # (width, weights, format, QSA, experts) whose launches this process has made one by
+    # one: their kernels are compiled, so a chunk of that kind can be captured at once, by
+    # any engine sharing the weights (a graph must not compile: the bench's runs are new
+    # engines). Each key's weights are kept alive with it, so their id is never reused.
+    _launched: dict = {}
 
     def __init__(self, be, weights, kv, chunk: int, use_graph: bool):
         self.be, self.weights, self.kv, self.chunk = be, weights, kv, chunk
@@ -118,7 +124,7 @@ class PromptChunks:
         else:
             with self.be.deferred_frees():
                 p.logits = self.launch(p)
-            PromptChunks._launched.add((width, *self._kind))
+            PromptChunks._launched[(width, *self._kind)] = self.weights.token_embd
         logits = self.be.to_numpy(p.logits)[0]
         if self.weights.experts is not None:
             self.weights.experts.after_pass(prompt=True)  # the expert cache adapts between passes
@@ -133,6 +139,15 @@ class PromptChunks:
             m = min(self.chunk, start + n - at)
             if self.fits(at, m):
                 self._capture(self._pass(width_for(m, self.chunk)))
+
+    def warm(self, token: int):
+        """Launch, capture and replay every width of the ladder that fits the cache, from
+        position 0, so that a server's first requests replay too (`strata-nb serve`, at
+        start). The cells are written over by the first prompt."""
+        for width in ladder(self.chunk):
+            if self.fits(0, width):
+                for _ in range(2):  # launched one by one, then captured and replayed
+                    self.run([token] * width, 0)
 
     def _pass(self, width: int) -> ChunkPass:
         if width not in self.passes:

@@ -49,7 +49,7 @@ def snapshot_bytes(snap: dict) -> int:
 
 @dataclass
 class Parked:
-    ids: tuple  # the tokens whose cells `snap` holds: whole prefill chunks of a prompt
+    ids: tuple  # the tokens whose cells `snap` holds: whole `chunk`s of a prompt
     snap: dict  # kv.snapshot(len(ids)): the cells' bytes in host arrays
     nbytes: int
 
@@ -59,7 +59,7 @@ class ConversationCache:
     def __init__(self, kv, chunk: int, budget_bytes: int, fault: str = "none"):
         self.kv, self.chunk, self.budget, self.fault = kv, chunk, budget_bytes, fault
         self.parked: OrderedDict[tuple, Parked] = OrderedDict()  # least recently used first
-        self.live: tuple = ()  # tokens whose cells the engine's KV holds now, whole chunks
+        self.live: tuple = ()  # tokens whose cells the engine's KV holds now, whole `chunk`s
         self.hits = self.misses = self.restores = self.evictions = 0
 
     @property
@@ -88,7 +88,7 @@ class ConversationCache:
         return n
 
     def park(self, ids):
-        """After a request over prompt `ids`: park the whole chunks of its prompt, the
+        """After a request over prompt `ids`: park the whole `chunk`s of its prompt, the
         least recently used conversations leaving while the cache is over its budget."""
         n = len(ids) // self.chunk * self.chunk
         self.live = tuple(ids[:n])

@@ -13,7 +13,8 @@ with a fixed seed. Each check catches what one request and a glance at its reply
   again. Catches state leaking between requests: a conversation cache that parks a
   conversation's KV and restores it wrong or not at all, a slot or ring that keeps
   another request's cells. The conversations are long (--parked-words) because a cache
-  parks whole blocks or chunks only: ours parks whole prefill chunks, 2048 tokens on a GPU.
+  parks whole blocks or chunks only: ours parks whole prefill chunks (2048 tokens on a GPU),
+  or whole prompts where a prompt row's cells do not depend on its chunk.
 - needle: a fact planted mid-way in filler, asked for at the end. Catches a prompt cut
   short without a word (a context limit that truncates) or attention that loses the middle.
 - repetition: free generation, scored by `probes.loop_score` over the reply's words.
