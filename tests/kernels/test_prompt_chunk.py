@@ -146,7 +146,7 @@ def test_replayed_chunks_equal_launched_ones(default_model_path, monkeypatch, kv
 def cells_and_logits(tiny_model, prefills, **settings):
     """(last logits, every layer's cells of the prompt) after the given prefills, each
     (ids, start), on the cuda backend."""
-    s = Settings(model=tiny_model, kv="fp16", device="cpu", prefill_chunk=CHUNK, **({"max_context": 64} | settings))
+    s = Settings(model=tiny_model, device="cpu", prefill_chunk=CHUNK, **({"max_context": 64, "kv": "fp16"} | settings))
     eng = Engine(s, GGUFModel(tiny_model), CudaBackend(), quiet=True)
     for ids, start in prefills:
         logits = eng.prefill(ids, start=start)
@@ -182,3 +182,13 @@ def test_a_prompt_resumed_at_any_token_writes_one_prefill_s_cells(tiny_model, mo
         assert_same_bits(whole, cells_and_logits(tiny_model, [(PROMPT[:k], 0), (PROMPT, k)]))
     streamed = dict(max_context=128, kv_window=16, kv_resident=StreamPlan.minimum_cells(16))
     assert_same_bits(whole, cells_and_logits(tiny_model, [(PROMPT, 0)], **streamed))
+
+
+@pytest.mark.sim_engine  # three prefills under the simulator: about a minute
+def test_rows_alone_in_k8v4_with_qsa(tiny_model, monkeypatch):
+    """The same for k8v4 cells (V rotated as it is quantized, attention's output rotated
+    back) with QSA's key sketch, resumed at 19: cells, sketch and logits bit for bit."""
+    monkeypatch.setenv("STRATA_NB_DEVICE_PROMPT", "1")
+    k8v4 = dict(kv="k8v4", qsa_budget=32)
+    assert_same_bits(cells_and_logits(tiny_model, [(PROMPT, 0)], **k8v4),
+                     cells_and_logits(tiny_model, [(PROMPT[:19], 0), (PROMPT, 19)], **k8v4))
