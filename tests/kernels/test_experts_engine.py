@@ -127,3 +127,26 @@ def test_the_device_step_with_a_small_cache_decodes_the_same_tokens(copies):
 def test_negative_control_early_resident_is_caught(copies, cuda_resident):
     got, _ = logits_of(copies, "cuda", 2, fault="expert-early-resident")
     assert not np.array_equal(got, cuda_resident)
+
+
+def test_rows_alone_an_moe_prompt_resumed_mid_chunk_writes_the_same_cells(dense, monkeypatch):
+    """STRATA_NB_DEVICE_PROMPT=1 (engine/prompt_chunk.py): a prompt of 11 tokens in chunks
+    of 16, and the same prompt resumed at 9 (a chunk of 2 rows), through a random router
+    over 2 distinct experts, write the same cells and give the same logits, bit for bit.
+    The model has one layer, so the experts reach the logits (the last token's row, in a
+    chunk of 11 rows and of 2): the expert kernels compute a token alone, whatever rows
+    share its launch."""
+    monkeypatch.setenv("STRATA_NB_DEVICE_PROMPT", "1")
+    split = str(moefy(dense, dense.parent / "split_rows_alone.gguf", "split", 2, used=2, router="random", seed=3))
+    prompt = [40, 77, 101, 5, 60, 33, 91, 12, 8, 70, 44]
+    results = []
+    for prefills in ([(prompt, 0)], [(prompt[:9], 0), (prompt, 9)]):
+        eng = Engine.load(model=split, device="cuda", max_context=32, prefill_chunk=16)
+        for ids, start in prefills:
+            logits = eng.prefill(ids, start=start)
+        snap = eng.kv.snapshot(len(prompt))["layers"][0]
+        results.append((logits, {f: a.swapaxes(1, 2).reshape(-1, *a.shape[1:2], *a.shape[3:])[:len(prompt)]
+                                 for f, a in snap.items()}))
+    (want, want_cells), (got, got_cells) = results
+    assert got.tobytes() == want.tobytes()
+    assert all(got_cells[f].tobytes() == want_cells[f].tobytes() for f in want_cells)
