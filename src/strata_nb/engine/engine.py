@@ -219,17 +219,11 @@ class Engine:
         cache restored them), so only the rest runs."""
         if not 0 <= start < len(ids):
             raise StrataError(f"prefill needs at least one token after the {start} cached")
-        size = self.settings.prefill_chunk
-        chunks = None if all_logits else self.prompt_chunks()
         outs = []
-        for at in range(start, len(ids), size):
-            part = ids[at:at + size]
-            if chunks is not None and chunks.fits(at, len(part)):  # inputs in device memory: a graph replays it
-                outs.append(chunks.run(part, at)[None])
-            else:
-                outs.append(self._forward(part, at, True, all_logits))
+        for at, logits in self._in_chunks(ids, start, len(ids), self.settings.prefill_chunk, True, all_logits):
+            outs.append(logits)
             if on_chunk:
-                on_chunk(len(part))
+                on_chunk(min(self.settings.prefill_chunk, len(ids) - at))
         return np.concatenate(outs) if all_logits else outs[-1][-1]
 
     def prompt_chunks(self) -> PromptChunks | None:
@@ -349,9 +343,16 @@ class Engine:
         return logits
 
     def _in_chunks(self, ids, begin: int, end: int, size: int, prompt: bool, all_logits: bool):
-        """ids[begin:end] in runs of `size`: yields (start, logits)."""
+        """ids[begin:end] in runs of `size`: yields (start, logits). A prompt chunk that
+        needs only its last row's logits goes through the replayable prompt chunks, where
+        the backend and cache have them and its padding fits."""
+        chunks = self.prompt_chunks() if prompt and not all_logits else None
         for s in range(begin, end, size):
-            yield s, self._forward(ids[s:min(s + size, end)], s, prompt, all_logits)
+            part = ids[s:min(s + size, end)]
+            if chunks is not None and chunks.fits(s, len(part)):  # inputs in device memory: a graph replays it
+                yield s, chunks.run(part, s)[None]
+            else:
+                yield s, self._forward(part, s, prompt, all_logits)
     # --8<-- [end:verbs]
 
     def score(self, ids) -> np.ndarray:

@@ -45,7 +45,7 @@ from ..backend import gpu_present
 from ..kv_layout import BLOCK
 from .forward import forward
 
-MIN_WIDTH = 16  # more rows than a step or a window has (matvec's MAX_ROWS): the prompt kernels
+MIN_WIDTH = 16  # the narrowest width: one graph for every tail of up to 16 tokens
 
 
 def enabled() -> bool:
