@@ -31,8 +31,10 @@ def test_bench_writes_json_table_and_checks_every_row(tiny_model, tmp_path, caps
         assert r["check"]["layer0"] < 0.1 * LAYER0_TOL
         assert len(r["tokens"]) == 7
     assert rows[2]["hit_rate"] is not None and rows[0]["hit_rate"] is None
+    assert result["dependent_launches"] == "no GPU"  # gpu/dependent_launch.py: a cuda backend's word
     md = (tmp_path / "bench.md").read_text()
     assert "| configuration | depth |" in md and "strata-nb bench --model" in md and "ok: " in md
+    assert "dependent launches" not in md
 
 
 def test_a_run_cut_short_keeps_its_measured_rows(tiny_model, tmp_path, capsys, monkeypatch):
@@ -210,8 +212,9 @@ def test_the_report_has_a_section_per_profiled_step(tmp_path):
               "profile": prof({"attention_step_kernel": (30, 980.0)}) | {"config": "k8v4 resident at 8000"},
               "profile_streamed": prof({"select_blocks_kernel": (30, 268.3), "attention_step_kernel": (30, 895.5)})
               | {"config": "k8v4 streamed at 8000"}}
-    write(result, tmp_path)
+    write(result | {"dependent_launches": "on"}, tmp_path)
     md = (tmp_path / "bench.md").read_text()
+    assert "decode tokens per run: 32; dependent launches: on." in md
     assert "## One decode step, k8v4 resident at 8000" in md and "## One decode step, k8v4 streamed at 8000" in md
     assert "| `select_blocks_kernel` | 30 | 268.3 | 23.1% |" in md
 

@@ -7,7 +7,8 @@ simulated launch's kernel and argument types; the check here is marked `last`, s
 after every other test, and a child process without the simulator compiles each kernel
 with `cuda.compile_ptx(..., cc=(9, 0))`, then asks ptxas what it uses (gpu/sm90.py). A
 kernel whose registers spill to local memory fails: that is a slowdown the simulator cannot
-show. No GPU needed, only NVRTC/libNVVM and ptxas (the nvidia-cuda-nvrtc-cu12 and
+show. So does a kernel marked for dependent launches (gpu/dependent_launch.py) whose PTX
+touches global memory before its griddepcontrol.wait. No GPU needed, only NVRTC/libNVVM and ptxas (the nvidia-cuda-nvrtc-cu12 and
 nvidia-cuda-nvcc-cu12 wheels)."""
 import pytest
 

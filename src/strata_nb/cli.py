@@ -139,6 +139,8 @@ def run(prompt, max_tokens, temperature, top_k, top_p, seed, raw, stats, **engin
         click.echo(f"prompt tokens: {s.prompt_tokens}, prefill: {s.prefill_tok_s:.1f} tok/s, "
                    f"generated: {s.generated_tokens}, decode: {s.decode_tok_s:.1f} tok/s over {s.decode_steps} steps "
                    f"({s.finish_reason})", err=True)
+        if eng.be.dependent_launches() not in ("off", "no GPU"):  # STRATA_NB_DEPENDENT_LAUNCH=1
+            click.echo(f"dependent launches: {eng.be.dependent_launches()}", err=True)
         if eng.kv.streamed:
             c = eng.kv.counters
             click.echo(f"KV streaming: {c.lookups} lookups, {c.misses} misses ({c.misses_per_step:.1f} per layer-step), "

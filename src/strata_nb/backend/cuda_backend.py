@@ -23,6 +23,8 @@ from ..kernels.dense import embed, gguf_rows, matmul, matvec, residual, rmsnorm,
 from ..kernels.experts.expert_down import expert_down
 from ..kernels.experts.expert_gate_up import ROUTED_EXPERTS, expert_gate_up, routed_expert_gate_up
 from ..kernels.experts.route import MAX_DIM, MAX_EXPERTS, MAX_USED, route
+from ..gpu import dependent_launch, fast_launch
+from ..gpu.geometry import SIMULATED
 from ..gpu.launch import device_empty
 from ..model.dequant import dequantize
 
@@ -117,6 +119,16 @@ class CudaBackend:
         if qsa and cfg.n_kv_heads > block_scores.MAX_KV:
             raise StrataError(f"the cuda backend's QSA scores are built for at most {block_scores.MAX_KV} KV heads; "
                               f"this model has {cfg.n_kv_heads} (run without --qsa-budget, or with --device cpu)")
+
+    def dependent_launches(self) -> str:
+        """'on' when marked kernels launch as dependent (gpu/dependent_launch.py), 'off' when
+        STRATA_NB_DEPENDENT_LAUNCH is not 1, else 'unavailable: ' and why."""
+        if not dependent_launch.enabled():
+            return "off"
+        if SIMULATED:
+            return "unavailable: the simulator runs one launch after another"
+        why = fast_launch.dependent_launch_support()
+        return "on" if not why else f"unavailable: {why}"
 
     def host_array(self, shape, dtype):
         """Pinned, device-mapped host memory: the authoritative host copy."""

@@ -55,6 +55,10 @@ class NumpyBackend:
     def check_model(self, cfg, qsa: bool, max_context: int = 0):
         """The references take every shape the KV formats allow (kv_layout.py)."""
 
+    def dependent_launches(self) -> str:
+        """How the cuda backend launches its marked kernels (gpu/dependent_launch.py)."""
+        return "no GPU"
+
     def host_array(self, shape, dtype):
         """An array for the host copy (pinned and device-mapped on the cuda backend)."""
         return np.zeros(shape, dtype)

@@ -133,7 +133,9 @@ def write(result: dict, out: Path) -> list[Path]:
     written[0].write_text(json.dumps(result, indent=1))
     md = ["# strata-nb bench", "", f"`{result['command']}`", "",
           f"Model: {result['model']}; device: {result['device']}; runs: {result['runs']} (median); "
-          f"decode tokens per run: {result['decode_tokens']}.", "", table(result)]
+          f"decode tokens per run: {result['decode_tokens']}"
+          + (f"; dependent launches: {result['dependent_launches']}"
+             if result.get("dependent_launches") not in (None, "off", "no GPU") else "") + ".", "", table(result)]
     if result.get("llama"):
         md += ["", "## Against llama.cpp", "", llama_table(result)]
     for key in ("profile", "profile_streamed"):

@@ -230,7 +230,11 @@ def bench(base, text: str, formats: list[str], streamed_formats: list[str], dept
     result = {"rows": [], "peer": [], "runs": runs, "decode_tokens": n_decode,
               "copy_gb_s": copy_bandwidth(base.be),
               # resident rows' prompt chunks replayed from graphs (engine/prompt_chunk.py)
-              "prompt_replayed": bool(chunks is not None and chunks.use_graph)}
+              "prompt_replayed": bool(chunks is not None and chunks.use_graph),
+              # marked kernels launched while the one before runs (gpu/dependent_launch.py)
+              "dependent_launches": base.be.dependent_launches()}
+    if result["dependent_launches"] not in ("off", "no GPU"):
+        log(f"dependent launches: {result['dependent_launches']}")
     if result["copy_gb_s"]:
         log(f"device copy bandwidth: {result['copy_gb_s']:,.0f} GB/s (read + write)")
     pool = checking.check_pool(workers=3) if check_n else None

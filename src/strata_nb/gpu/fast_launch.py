@@ -26,10 +26,12 @@ import os
 
 import numpy as np
 
+from strata_nb.gpu.dependent_launch import is_dependent
 from strata_nb.gpu.geometry import SIMULATED
 
 MODE = os.environ.get("STRATA_NB_FAST_LAUNCH", "1")
 _INSTALLED = False
+_DEPENDENT = None  # this GPU and cuda.core take dependent launches: asked at the first one
 
 
 class FastLaunchMismatch(AssertionError):
@@ -89,7 +91,8 @@ def _as_comparable(values):
             else v if v is None or isinstance(v, (bool, np.bool_)) else int(v) for v in values]
 
 
-COUNTS = {"fast": 0, "numba": 0}  # launches each way since the process started
+COUNTS = {"fast": 0, "numba": 0, "dependent": 0}  # launches each way since the process started (fast ones
+# launched as dependent: gpu/dependent_launch.py)
 
 
 class _Plan:
@@ -135,11 +138,13 @@ class FastLaunch:
         packed = []
         for pack, a in zip(plan.packers, args):
             pack(a, packed)
-        config, stream = _config(self.dims), _core_stream(self.stream)
+        dependent = is_dependent(d) and _dependent_here()
+        config, stream = _config(self.dims, dependent), _core_stream(self.stream)
         if MODE == "check":
             _check(d, args, packed)
         _launch(stream, config, plan.function, *packed)
         COUNTS["fast"] += 1
+        COUNTS["dependent"] += dependent
         return None
 
 
@@ -174,13 +179,40 @@ _CONFIGS: dict = {}
 _STREAMS: dict = {}
 
 
-def _config(dims):
-    c = _CONFIGS.get(dims)
+def _config(dims, dependent: bool = False):
+    """The launch config for (grid, block, shared), as a dependent launch or a plain one."""
+    c = _CONFIGS.get((dims, dependent))
     if c is None:
         grid, block, shared = dims
         grid, block = _NORMALIZE(grid, block)
-        c = _CONFIGS[dims] = _LaunchConfig(grid=grid, block=block, shmem_size=shared)
+        extra = {"programmatic_stream_serialization": True} if dependent else {}
+        c = _CONFIGS[dims, dependent] = _LaunchConfig(grid=grid, block=block, shmem_size=shared, **extra)
     return c
+
+
+def _dependent_here() -> bool:
+    global _DEPENDENT
+    if _DEPENDENT is None:
+        _DEPENDENT = dependent_launch_support() == ""
+    return _DEPENDENT
+
+
+def dependent_launch_support(device=None) -> str:
+    """'' when marked kernels can launch as dependent here (gpu/dependent_launch.py), else
+    why not: the GPU's compute capability, this cuda.core's LaunchConfig, or the fast path."""
+    if not _INSTALLED:
+        return "the fast launch path is off (STRATA_NB_FAST_LAUNCH=0, or no GPU)"
+    if device is None:
+        from numba import cuda
+        device = cuda.get_current_device()
+    if tuple(device.compute_capability) < (9, 0):
+        return f"compute capability {device.compute_capability} (dependent launches need 9.0)"
+    try:
+        _LaunchConfig(grid=1, block=1, programmatic_stream_serialization=True)
+    except TypeError:
+        import cuda.core
+        return f"cuda.core {cuda.core.__version__} has no programmatic_stream_serialization (1.2 has)"
+    return ""
 
 
 def _core_stream(stream):

@@ -12,6 +12,10 @@ refuses nor say what the kernel costs the SM. Three numbers from ptxas do:
     spill bytes    registers ptxas could not keep, stored to local memory (DRAM behind
                    the L1) and loaded back: a kernel that spills is a performance bug.
 
+A fourth check needs no ptxas: a kernel marked for dependent launches
+(gpu/dependent_launch.py) must wait before it touches memory another kernel writes, and
+its PTX says whether it does (`dependent_order`).
+
 The launches are recorded under the simulator (`record_launches`: kernel and argument
 types), and a process without the simulator compiles each (`compile_recorded`), so the
 module constants take their GPU values. The test suite's sm_90 check does this for every
@@ -148,6 +152,30 @@ def wide_divides(ptx: str) -> int:
     return len(re.findall(r"\b(?:div|rem)\.[su]64\b", ptx))
 
 
+# A memory instruction of a kernel's PTX, and its state space when it names one
+_MEMORY_OP = re.compile(r"^\s*(?:@!?%p\d+\s+)?(ld|st|atom|red|prefetch|prefetchu|cp\.async)((?:\.\w+)*)", re.M)
+_OWN_SPACES = {"param", "shared", "local", "const"}  # the kernel's own: no other kernel writes them
+
+
+def dependent_order(ptx: str) -> str:
+    """'' when a dependent kernel's PTX waits before it touches memory another kernel may
+    write (gpu/dependent_launch.py): griddepcontrol.wait before the first load, store or
+    atomic of global or generic memory, and launch_dependents, if any, after the wait.
+    Else what is wrong. The check reads the PTX in order; it holds for kernels whose wait
+    is their first statement, as the rule asks, where no branch comes before it."""
+    wait = ptx.find("griddepcontrol.wait")
+    if wait < 0:
+        return "its PTX has no griddepcontrol.wait"
+    start = ptx.find("griddepcontrol.launch_dependents")
+    if 0 <= start < wait:
+        return "it lets the next kernel start before it waits"
+    for m in _MEMORY_OP.finditer(ptx, 0, wait):
+        spaces = set(m.group(2).split(".")[1:])
+        if not spaces & _OWN_SPACES:
+            return f"it touches memory before it waits: {m.group(0).strip()}"
+    return ""
+
+
 # --8<-- [start:ptxas_report]
 def parse_ptxas(report: str) -> dict:
     """ptxas -v's lines for one kernel -> {registers, shared, spill_stores, spill_loads, stack}."""
@@ -175,7 +203,7 @@ _CHILD = textwrap.dedent('''
     from numba import cuda
     import numba.cuda.dispatcher
     from numba.cuda.dispatcher import CUDADispatcher
-    from strata_nb.gpu.sm90 import ptx_usage, variant
+    from strata_nb.gpu.sm90 import dependent_order, ptx_usage, variant
     # compiling a kernel that calls device functions asks for the current device; there is
     # none here, so answer for the target we compile for
     numba.cuda.dispatcher.get_current_device = lambda: types.SimpleNamespace(compute_capability=(9, 0))
@@ -202,6 +230,8 @@ _CHILD = textwrap.dedent('''
             except Exception as err:
                 failures.append(f"{module}.{qualname}{sig}: {type(err).__name__}: {str(err)[:300]}")
                 continue
+            if getattr(kernel, "_strata_waits", False) and dependent_order(ptx):  # gpu/dependent_launch.py
+                failures.append(f"{module}.{qualname}{sig}: marked waits_for_inputs, but {dependent_order(ptx)}")
             if binary:
                 rows.append(dict(kernel=qualname.split(".")[-1], module=module, made_from=made_from, sig=sig,
                                  **ptx_usage(ptx, binary)))

@@ -62,6 +62,7 @@ from numba import cuda, float32, int32
 
 from strata_nb.kernels.kv.hadamard import fwht64_rows, hadamard
 from strata_nb.kernels.kv.kv_readers import READERS, SIDES
+from strata_nb.gpu.dependent_launch import let_next_start, wait_for_inputs, waits_for_inputs
 from strata_nb.gpu.launch import device_empty, last_to_arrive, stream, ticket_counters
 from strata_nb.gpu.geometry import MERGE_UNROLL, STEP_THREADS
 from strata_nb.gpu.reduce import WARP, warp_max, warp_sum
@@ -262,6 +263,10 @@ def make_attention_step_kernel(read_k, read_v, G, D, per_split):
                               records,     # (Q, n_kv, n_splits, G, record_width(D)) float32 scratch
                               arrivals,    # (Q, n_kv) int32: 0 before the launch, 0 after it
                               out):        # (Q, G * n_kv, D) float32, written
+        # A dependent launch may have started it early: q, the list and the cells are the
+        # kernels' before it (gpu/dependent_launch.py)
+        wait_for_inputs()
+        let_next_start()
         i, kv_h, split = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
         t = cuda.threadIdx.x  # of N_THREADS: the launch gives that many
         warp, lane = t // WARP, t % WARP
@@ -488,7 +493,7 @@ def make_attention_step_kernel(read_k, read_v, G, D, per_split):
         write_output(dots, total, weights, out, i, kv_h, t, rotate)
         # --8<-- [end:step_merge]
 
-    return attention_step_kernel
+    return waits_for_inputs(attention_step_kernel)
 # --8<-- [end:attention_step_kernel]
 
 

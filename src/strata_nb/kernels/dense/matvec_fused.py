@@ -61,6 +61,7 @@ import math
 import numpy as np
 from numba import cuda, float32, int32, int64, uint32
 
+from strata_nb.gpu.dependent_launch import let_next_start, wait_for_inputs, waits_for_inputs
 from strata_nb.gpu.reduce import WARP, warp_sum
 from strata_nb.kernels.dense.gguf_rows import PART, PARTS, QK, QTYPES, part_runs
 from strata_nb.kernels.dense.rmsnorm import inv_rms
@@ -201,6 +202,13 @@ def make_matvec_kernel(part, nibbles, load_x, store_y, normed, x_rows, rows, rop
                       page_table,  # (n_blocks,) int32 with append, else unused
                       pool_k, pool_v,   # (n_slots, n_kv, 16, hd) float16/float32 with append
                       host_k, host_v):  # (n_blocks, n_kv, 16, hd) or size 0 (no host copy)
+        # --8<-- [start:matvec_waits_first]
+        # A dependent launch (gpu/dependent_launch.py) may have started this kernel while the
+        # one before it runs: wait for it before any other load or store, then let the next
+        # kernel be launched while this one works.
+        wait_for_inputs()
+        let_next_start()
+        # --8<-- [end:matvec_waits_first]
         # --8<-- [start:matvec_rows]
         # A thread block takes `rows` rows of W at a time; its threads split the rows' parts
         # between them (thread t: parts t, t + threads, ...), so each has one or two parts
@@ -366,7 +374,7 @@ def make_matvec_kernel(part, nibbles, load_x, store_y, normed, x_rows, rows, rop
             ahead_out[g] = read
         # --8<-- [end:read_ahead_use]
 
-    return matvec_kernel
+    return waits_for_inputs(matvec_kernel)
 
 
 PROLOGUES = {"plain": (x_plain, False), "normed": (x_normed, True), "gated": (x_gated, False)}

@@ -1,0 +1,126 @@
+"""Dependent launches (Hopper's programmatic dependent launch): a kernel starts while the
+kernel before it in the stream is still running, and waits inside itself for that
+kernel's results.
+
+A decode step of the default model is about 150 small kernels one after another, each
+waiting for the one before. Between two of them the GPU drains the first (its last
+thread blocks finish, its writes are flushed), then launches the second and places its
+thread blocks: microseconds a boundary in which no weights are read. With a dependent
+launch the second kernel is launched and its blocks placed while the first still runs;
+they stop at their first instruction until the first is done, so the gap shrinks to the
+wait itself.
+
+Two instructions make it (PTX `griddepcontrol`, compute capability 9.0 and up):
+
+    wait_for_inputs()   blocks until every kernel this one depends on has finished and
+                        its writes are visible. A kernel launched as dependent calls it
+                        before it reads or writes any memory another kernel touches.
+    let_next_start()    tells the GPU that the next kernel in the stream may be launched
+                        now, once every thread block of this one has said so (or ended).
+
+The rule every dependent kernel here keeps: it calls `wait_for_inputs()` first, then
+`let_next_start()`, then does its work. So when the next kernel's blocks start, every
+kernel before this one has finished and this one is running; that next kernel waits for
+it at its own first instruction. Nothing is read early, nothing is written early, and the
+results are the same bits as with plain launches.
+
+Which launches are dependent: a kernel marked with `waits_for_inputs(kernel)` (its
+factory marks it; its code keeps the rule), launched through the fast path
+(gpu/fast_launch.py) while `enabled()`, on a device of compute capability 9.0 or more. A
+graph captured from such launches keeps them as programmatic edges, so a replayed step
+overlaps its launches too. Every other launch stays plain, and a plain launch after a
+dependent one waits for it whole. On an older GPU the instructions compile to nothing
+(NVVM's `__nvvm_reflect("__CUDA_ARCH")`); under the simulator they are Python no-ops,
+since it runs one launch after another anyway.
+
+`STRATA_NB_DEPENDENT_LAUNCH=1` turns it on; it is off until measured on a GPU.
+"""
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+
+from strata_nb.gpu.geometry import SIMULATED
+
+_ON = os.environ.get("STRATA_NB_DEPENDENT_LAUNCH", "0") == "1"
+
+
+def enabled() -> bool:
+    """Whether marked kernels launch as dependent (on a GPU that has it)."""
+    return _ON
+
+
+@contextmanager
+def dependent_launches(on: bool):
+    """Within it, marked kernels launch as dependent (on) or plain: the GPU test's A/B in
+    one process. Graphs keep what they were captured with."""
+    global _ON
+    before, _ON = _ON, on
+    try:
+        yield
+    finally:
+        _ON = before
+
+
+def waits_for_inputs(kernel):
+    """Mark a @cuda.jit kernel whose code calls wait_for_inputs() before it reads or writes
+    memory another kernel touches: the fast path may launch it as dependent."""
+    kernel._strata_waits = True
+    return kernel
+
+
+def is_dependent(kernel) -> bool:
+    return _ON and getattr(kernel, "_strata_waits", False)
+
+
+if SIMULATED:
+    def wait_for_inputs():
+        """The simulator runs one launch after another: nothing to wait for."""
+
+    def let_next_start():
+        """The simulator runs one launch after another: nothing to let start."""
+
+else:
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    _ARCH = "__CUDA_ARCH"
+
+    def _on_sm90(builder, ptx: str):
+        """`if (__nvvm_reflect("__CUDA_ARCH") >= 900) asm volatile(ptx ::: "memory")`:
+        NVVM replaces the reflect call with the target's architecture and drops the branch
+        it cannot take, so older GPUs get no instruction they lack."""
+        module = builder.module
+        char_p = ir.IntType(8).as_pointer()
+        reflect = module.globals.get("__nvvm_reflect")
+        if reflect is None:
+            reflect = ir.Function(module, ir.FunctionType(ir.IntType(32), [char_p]), "__nvvm_reflect")
+        name = module.globals.get("__strata_cuda_arch")
+        if name is None:
+            text = bytearray(_ARCH.encode()) + b"\x00"
+            kind = ir.ArrayType(ir.IntType(8), len(text))
+            name = ir.GlobalVariable(module, kind, "__strata_cuda_arch", addrspace=4)  # constant memory
+            name.global_constant, name.linkage, name.initializer = True, "internal", ir.Constant(kind, text)
+        zero = ir.Constant(ir.IntType(32), 0)
+        arch = builder.call(reflect, [builder.addrspacecast(builder.gep(name, [zero, zero]), char_p)])
+        with builder.if_then(builder.icmp_signed(">=", arch, ir.Constant(ir.IntType(32), 900))):
+            builder.call(ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), ptx, "~{memory}", side_effect=True), [])
+
+    # --8<-- [start:dependent_instructions]
+    @intrinsic
+    def wait_for_inputs(typingctx):
+        """griddepcontrol.wait: until the kernels this one depends on have finished."""
+        def codegen(context, builder, signature, args):
+            _on_sm90(builder, "griddepcontrol.wait;")
+            return context.get_dummy_value()
+        return types.void(), codegen
+
+    @intrinsic
+    def let_next_start(typingctx):
+        """griddepcontrol.launch_dependents: the next kernel may be launched."""
+        def codegen(context, builder, signature, args):
+            _on_sm90(builder, "griddepcontrol.launch_dependents;")
+            return context.get_dummy_value()
+        return types.void(), codegen
+    # --8<-- [end:dependent_instructions]
