@@ -113,14 +113,18 @@ def test_the_step_s_kernels_are_marked_and_launch_plain_unless_asked():
 
 @pytest.mark.skipif(not ON_GPU, reason="dependent launches need a GPU (STRATA_NB_GPU=1)")
 @pytest.mark.parametrize("kv", ["fp16", "k8v4"])
-def test_dependent_launches_give_the_bits_of_plain_ones(default_model_path, kv):
-    """On a GPU: prefill, then steps launched one by one and steps replayed from a graph,
+def test_dependent_launches_give_the_bits_of_plain_ones(tmp_path_factory, kv):
+    """On a GPU, random weights of the default model's shapes (its grids, not a tiny
+    model's): prefill, then steps launched one by one and steps replayed from a graph,
     with dependent launches and without: the same logits, bit for bit, and the dependent
     engine's launches were dependent."""
     from strata_nb.engine.engine import Engine
     from strata_nb.gpu import fast_launch
     from strata_nb.model.gguf_file import GGUFModel
+    from strata_nb.model.synthetic import write_default_shapes_gguf
     from strata_nb.settings import Settings
+
+    default_model_path = str(write_default_shapes_gguf(tmp_path_factory.mktemp("shapes") / "shapes.gguf", 512))
 
     prompt = [1, 504, 3458, 282, 1029, 30, 216, 12, 9224] * 5
 
@@ -129,15 +133,15 @@ def test_dependent_launches_give_the_bits_of_plain_ones(default_model_path, kv):
             eng = Engine(Settings(model=default_model_path, kv=kv, max_context=256, device="cuda"),
                          GGUFModel(default_model_path), CudaBackend())
             assert eng.be.dependent_launches() == ("on" if on else "off")
-            logits = [eng.prefill(prompt)]
+            logits = [np.array(eng.prefill(prompt))]  # copies: a backend may hand back its buffer
             token = int(np.argmax(logits[0]))
             for i in range(4):  # one by one
-                logits.append(eng.decode_one_token(token, len(prompt) + i))
+                logits.append(np.array(eng.decode_one_token(token, len(prompt) + i)))
                 token = int(np.argmax(logits[-1]))
             step = eng.device_step()
             for i in range(4, 12):  # captured at the first, replayed after
                 token = step.run(token, len(prompt) + i)
-                logits.append(step.logits_on_host())
+                logits.append(np.array(step.logits_on_host()))
             return logits
 
     plain = decode(False)  # first: it compiles, so the dependent run's launches take the fast path
