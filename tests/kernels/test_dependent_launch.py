@@ -24,6 +24,22 @@ from strata_nb.gpu.dependent_launch import dependent_launches, enabled, is_depen
 from strata_nb.gpu.sm90 import dependent_order
 from strata_nb.kernels.attention.attention_step import STEP_KERNELS
 from strata_nb.kernels.dense.matvec_fused import MATVEC_KERNELS
+from strata_nb.kernels.experts.expert_down import EXPERT_DOWN_KERNELS
+from strata_nb.kernels.experts.expert_gate_up import EXPERT_GATE_UP_KERNELS, ROUTED_GATE_UP_KERNELS
+from strata_nb.kernels.experts.route import ROUTE_KERNELS
+from strata_nb.kernels.kv.key_sketch import key_sketch_kernel
+from strata_nb.kernels.kv.kv_append_k8v4 import kv_append_k8v4_kernel
+from strata_nb.kernels.step.argmax import argmax_kernel
+from strata_nb.kernels.step.block_scores import BLOCK_SCORES_KERNELS
+from strata_nb.kernels.step.map_ring import map_ring_kernel
+from strata_nb.kernels.step.select_blocks import select_blocks_kernel
+
+# A decode step's kernels that wait for their inputs: every launch of a step but the embed
+# and the step's advance (its first kernel), and the verify window's too
+STEP_S_KERNELS = [*MATVEC_KERNELS.values(), *STEP_KERNELS.values(), *EXPERT_DOWN_KERNELS.values(),
+                  *EXPERT_GATE_UP_KERNELS.values(), *ROUTED_GATE_UP_KERNELS.values(), *ROUTE_KERNELS.values(),
+                  *BLOCK_SCORES_KERNELS.values(), key_sketch_kernel, kv_append_k8v4_kernel, argmax_kernel,
+                  map_ring_kernel, select_blocks_kernel]
 
 GOOD = """
 .visible .entry k(.param .u64 k_param_0)
@@ -97,10 +113,10 @@ def test_the_wait_is_an_instruction_on_hopper_only():
 
 
 def test_the_step_s_kernels_are_marked_and_launch_plain_unless_asked():
-    """Every fused matvec and step attention kernel is marked; none is dependent while the
-    switch is off, and under the simulator the backend says it cannot be on."""
-    kernels = list(MATVEC_KERNELS.values()) + list(STEP_KERNELS.values())
-    assert kernels and all(k._strata_waits for k in kernels)
+    """The step's kernels are marked; none is dependent while the switch is off, and under
+    the simulator the backend says it cannot be on."""
+    kernels = STEP_S_KERNELS
+    assert all(getattr(k, "_strata_waits", False) for k in kernels)
     with dependent_launches(False):
         assert not enabled() and not any(is_dependent(k) for k in kernels)
         assert CudaBackend().dependent_launches() == "off"

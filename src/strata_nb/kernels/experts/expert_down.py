@@ -34,6 +34,7 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda, float32, int32, uint32
 
+from strata_nb.gpu.dependent_launch import let_next_start, wait_for_inputs, waits_for_inputs
 from strata_nb.gpu.geometry import EXPERT_DOWN_WARPS, EXPERT_WARPS
 from strata_nb.gpu.launch import DeviceArgs, expect, stream
 from strata_nb.gpu.reduce import WARP, warp_sum
@@ -148,6 +149,8 @@ def make_expert_down_kernel(part, nibbles, rows):
     def expert_down_kernel(h, chosen, weights, slot_of, at, slot_a, slot_b, host_a, host_b, x,  # as the plain kernel's
                            ahead,      # (bytes,) uint8: the next matvec's W, flat, read into L2; size 0 = none
                            ahead_out):  # (threads of the grid,) uint32: what each thread read ahead, or (0,)
+        wait_for_inputs()
+        let_next_start()  # a dependent launch: gpu/dependent_launch.py
         i, n_threads = cuda.threadIdx.x, cuda.blockDim.x
         lane, warp = i % WARP, i // WARP
         o0, t = cuda.blockIdx.x * rows, cuda.blockIdx.y  # outputs o0 .. o0 + rows - 1 of token t
@@ -221,7 +224,7 @@ def make_expert_down_kernel(part, nibbles, rows):
         if t == 0 and ahead_out.size > 0:
             ahead_out[g] = read
 
-    return expert_down_kernel
+    return waits_for_inputs(expert_down_kernel)
 
 
 EXPERT_DOWN_KERNELS1 = {qtype: make_expert_down_kernel1(part, nibbles) for qtype, (part, _, _, nibbles) in QTYPES.items()}

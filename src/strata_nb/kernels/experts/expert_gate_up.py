@@ -26,6 +26,7 @@ import math
 import numpy as np
 from numba import cuda, float32, int32, uint32
 
+from strata_nb.gpu.dependent_launch import let_next_start, wait_for_inputs, waits_for_inputs
 from strata_nb.gpu.geometry import EXPERT_WARPS
 from strata_nb.gpu.launch import DeviceArgs, absent, expect, stream, view_bytes
 from strata_nb.gpu.reduce import WARP, warp_sum
@@ -176,12 +177,14 @@ def make_expert_gate_up_kernel(part, nibbles):
                               down_slots,       # (N, bytes) uint8: the slot pool's down matrices, flat
                               down_host,        # (L * E, bytes) uint8: the host copy's; (0, 0) = no read ahead
                               ahead_out):       # (threads of the grid,) uint32: what each read ahead, or (0,)
+        wait_for_inputs()
+        let_next_start()  # a dependent launch: gpu/dependent_launch.py
         t, r = cuda.blockIdx.y // chosen.shape[1], cuda.blockIdx.y % chosen.shape[1]
         # where this expert's rows are read from: route looked it up
         gate_up_row(x_norm, x_norm[0], float32(1.0), t, r, slot_of[t, r], at + chosen[t, r], slot_a, slot_b, host_a,
                     host_b, h, down_slots, down_host, ahead_out)
 
-    return expert_gate_up_kernel
+    return waits_for_inputs(expert_gate_up_kernel)
 
 
 EXPERT_GATE_UP_KERNELS = {qtype: make_expert_gate_up_kernel(part, nibbles)
@@ -209,6 +212,8 @@ def make_routed_gate_up_kernel(router_part, router_nibbles, part, nibbles):
                               res, at, lookups, hits,           # as route_kernel's
                               slot_a, slot_b, host_a, host_b,   # as expert_gate_up_kernel's
                               h, down_slots, down_host, ahead_out):
+        wait_for_inputs()
+        let_next_start()  # a dependent launch: gpu/dependent_launch.py
         k = chosen.shape[1]
         t, r = cuda.blockIdx.y // k, cuda.blockIdx.y % k
         p = cuda.shared.array(MAX_EXPERTS, float32)  # (E,) logits
@@ -224,7 +229,7 @@ def make_routed_gate_up_kernel(router_part, router_nibbles, part, nibbles):
         gate_up_row(x, norm, inv, t, r, picked_slot[r], at + picked[r], slot_a, slot_b, host_a, host_b, h, down_slots,
                     down_host, ahead_out)
 
-    return routed_gate_up_kernel
+    return waits_for_inputs(routed_gate_up_kernel)
 
 
 ROUTED_EXPERTS = EXPERT_WARPS * WARP  # E at most: the routed kernel's thread blocks have a thread per expert

@@ -46,6 +46,7 @@ import math
 import numpy as np
 from numba import cuda, float32, int32
 
+from strata_nb.gpu.dependent_launch import let_next_start, wait_for_inputs, waits_for_inputs
 from strata_nb.gpu.geometry import ROUTE_THREADS
 from strata_nb.gpu.launch import DeviceArgs, expect, stream
 from strata_nb.gpu.reduce import WARP, block_sum, warp_sum
@@ -324,6 +325,8 @@ def make_route_kernel(router_part, router_nibbles):
 
     @cuda.jit(cache=True)
     def route_kernel(x, norm, eps, ra, rb, x_norm, chosen, weights, slot_of, res, at, lookups, hits):  # as route_kernel1's
+        wait_for_inputs()
+        let_next_start()  # a dependent launch: gpu/dependent_launch.py
         t, tid = cuda.blockIdx.x, cuda.threadIdx.x
         d, k = x.shape[1], chosen.shape[1]
         p = cuda.shared.array(MAX_EXPERTS, float32)  # (E,) logits
@@ -344,7 +347,7 @@ def make_route_kernel(router_part, router_nibbles):
                 x_norm[t, j] = x[t, j] * inv * norm[j]
                 j += cuda.blockDim.x - k
 
-    return route_kernel
+    return waits_for_inputs(route_kernel)
 
 
 ROUTE_KERNELS = {qtype: make_route_kernel(part, nibbles) for qtype, (part, _, _, nibbles) in QTYPES.items()}

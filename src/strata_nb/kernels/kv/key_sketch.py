@@ -28,6 +28,7 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
+from strata_nb.gpu.dependent_launch import let_next_start, wait_for_inputs, waits_for_inputs
 from strata_nb.gpu.geometry import SIMULATED, on_gpu
 from strata_nb.gpu.launch import DeviceArgs, expect, grid_for, view_bytes
 from strata_nb.gpu.reduce import WARP
@@ -86,8 +87,11 @@ else:
             quantize_q4_0_group(k_new[i, h], sketch[b, h, c], sketch_d[b, h, c], g)
 
 
+@waits_for_inputs
 @cuda.jit(cache=True)
 def key_sketch_kernel(k_new, positions, sketch, sketch_d):  # as key_sketch_ref; sketch_d: its bytes as float16
+    wait_for_inputs()
+    let_next_start()  # a dependent launch: gpu/dependent_launch.py
     t = cuda.grid(1)
     sketch_group(t // LANES, t % LANES, k_new, positions, sketch, sketch_d)
 # --8<-- [end:key_sketch_kernel]

@@ -32,6 +32,7 @@ from numba import cuda, float32
 
 # the shapes compiled in (make_block_scores_kernel): the step attention's head_dims and
 # query heads per KV head, so a model the step takes is one QSA can score
+from strata_nb.gpu.dependent_launch import let_next_start, wait_for_inputs, waits_for_inputs
 from strata_nb.kernels.attention.attention_step import HEAD_DIMS, MAX_GROUP
 from strata_nb.kernels.kv.quant_q4_0 import D_STRIDE, HALF, dequantize_q4_0_ref
 from strata_nb.kernels.step.select_blocks import candidates
@@ -85,6 +86,8 @@ def make_block_scores_kernel(G, KV, D):
 
     @cuda.jit(cache=True)
     def block_scores_kernel(q, sketch, sketch_d, positions, window_blocks, scores):  # as block_scores_ref; sketch_d: its bytes as float16
+        wait_for_inputs()
+        let_next_start()  # a dependent launch: gpu/dependent_launch.py
         # Thread block (b, i): block b, query i; warp g: KV head g; lane: cell c, groups w0, w0 + 2, ...
         b, i = cuda.blockIdx.x, cuda.blockIdx.y
         t = cuda.threadIdx.x
@@ -132,7 +135,7 @@ def make_block_scores_kernel(G, KV, D):
             for h in range(1, KV):
                 best = max(best, heads[h])
             scores[i, b] = best
-    return block_scores_kernel
+    return waits_for_inputs(block_scores_kernel)
 # --8<-- [end:block_scores_kernel]
 
 
