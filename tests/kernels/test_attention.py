@@ -232,3 +232,41 @@ def test_a_lone_split_trusts_the_order():
     assert np.abs(claimed - want).max() > 100 * ATOL
     with pytest.raises(AssertionError, match="does not ascend"):
         run(lambda *a: attention(*a, per_split=1, ordered=True), *args)
+
+
+@pytest.mark.parametrize("group", [2, 4])
+@pytest.mark.parametrize("fmt", ["fp16", "k8v4"])
+@pytest.mark.parametrize("q_pos", [90, 37])
+def test_a_merge_in_groups_matches_ref(nan_records, fmt, group, q_pos):
+    """Every block its own split (6 splits), merged in groups of 2 or 4 (the last group of
+    4 holds 2), then the groups' records merged: the output within the tolerance of the
+    reference and of one merge. At 37 only blocks 0..2 are seen, so a group sees nothing
+    and its record must say so: NaN scratch (both levels' records) never reaches the
+    output. Both levels' tickets are back at 0, and a second launch gives the same bits."""
+    pool, host = filled_cache(fmt, PAGE_TABLE, n_slots=4)
+    rotate = fmt == "k8v4"
+    q = np.random.default_rng(8).standard_normal((1, N_HEADS, HEAD_DIM), np.float32)
+    args = (fmt, q, np.array([q_pos], np.int32), np.arange(N_BLOCKS, dtype=np.int32)[None], PAGE_TABLE, pool, host)
+
+    def merged(group_size):
+        return run(lambda *a: attention(*a, per_split=1, ordered=False, rotate_out=rotate, merge_group=group_size),
+                   *args)
+
+    got, once = merged(group), merged(0)
+    np.testing.assert_allclose(got, run(lambda *a: attention_ref(*a, rotate_out=rotate), *args), atol=ATOL, rtol=RTOL)
+    np.testing.assert_allclose(got, once, atol=ATOL, rtol=RTOL)
+    n_groups = -(-N_BLOCKS // group)
+    assert not ticket_counters("attention_step", (1, N_KV)).copy_to_host().any()
+    assert not ticket_counters("attention_step_groups", (1, N_KV, n_groups)).copy_to_host().any()
+    np.testing.assert_array_equal(merged(group), got)
+
+
+@pytest.mark.parametrize("value", ["3", "1", "sixteen", "-4"])
+def test_a_merge_group_that_is_not_a_power_of_two_is_an_error(monkeypatch, value):
+    from strata_nb.errors import StrataError
+
+    monkeypatch.setenv("STRATA_NB_MERGE_GROUP", value)
+    with pytest.raises(StrataError, match="STRATA_NB_MERGE_GROUP is .*: a power of two of at least 2, or 0"):
+        attention_step_module.merge_group()
+    monkeypatch.setenv("STRATA_NB_MERGE_GROUP", "16")
+    assert attention_step_module.merge_group() == 16

@@ -18,6 +18,7 @@ import numpy as np
 
 from ..engine.engine import spec_counts
 from ..errors import StrataError
+from ..kernels.attention.attention_step import merge_group
 from ..kv.plan import StreamPlan
 from ..kv_layout import BLOCK, token_bytes
 from ..probes import DEGENERATE, loop_score, repetition_score
@@ -232,7 +233,9 @@ def bench(base, text: str, formats: list[str], streamed_formats: list[str], dept
               # resident rows' prompt chunks replayed from graphs (engine/prompt_chunk.py)
               "prompt_replayed": bool(chunks is not None and chunks.use_graph),
               # marked kernels launched while the one before runs (gpu/dependent_launch.py)
-              "dependent_launches": base.be.dependent_launches()}
+              "dependent_launches": base.be.dependent_launches(),
+              # the step attention's splits per merge group (attention_step.py), 0 = one merge
+              "merge_group": merge_group() if base.be.name == "cuda" else None}
     if result["dependent_launches"] not in ("off", "no GPU"):
         log(f"dependent launches: {result['dependent_launches']}")
     if result["copy_gb_s"]:

@@ -179,7 +179,8 @@ def ordered_rows(blocks: np.ndarray) -> bool:
 
 def attention(fmt, q, q_pos, blocks, page_table, pool, host, out, rotate_out: bool = False,
               per_split: int | None = None, combine_groups: int = COMBINE_GROUPS, tile: int | None = None,
-              ordered: bool | None = None, plain: bool = False, rows_alone: bool = False):
+              ordered: bool | None = None, plain: bool = False, rows_alone: bool = False,
+              merge_group: int | None = None):
     """Like attention_ref, on the device; NumPy arguments are moved (out written back).
 
     One query per thread block (a decode step, a verify window, queries whose selections
@@ -196,7 +197,8 @@ def attention(fmt, q, q_pos, blocks, page_table, pool, host, out, rotate_out: bo
     as unordered; True for a device list is the caller's word (a step's list); False
     turns the shortcut off. rows_alone: a prompt chunk's query gets the same bits
     whatever chunk it comes in, and however far the shared row of blocks reaches
-    (attention_prompt says how)."""
+    (attention_prompt says how). merge_group: the step kernel's splits per merge group
+    (attention_step.merge_group: None = the environment's, 0 = one merge)."""
     assert not plain or per_split is None, "the plain kernel has no splits"
     check_format(fmt, FORMATS)
     expect("q", q, np.float32, (None, None, None))
@@ -240,7 +242,8 @@ def attention(fmt, q, q_pos, blocks, page_table, pool, host, out, rotate_out: bo
             if plain:
                 attention_step1(fmt, args, sides, dev.write(out), rotate_out)
             else:
-                attention_step(fmt, n_kv, args, sides, dev.write(out), rotate_out, per_split, bool(ordered))
+                attention_step(fmt, n_kv, args, sides, dev.write(out), rotate_out, per_split, bool(ordered),
+                               merge_group)
             return
         attention_prompt(fmt, n_kv, args, sides, dev.write(out), rotate_out, per_split, combine_groups, tile,
                          rows_alone)
