@@ -190,3 +190,24 @@ def test_every_setting_is_a_flag_of_run():
     flags = {opt for p in cli.commands["run"].params for opt in p.opts}
     fields = [f.name for cls in (Settings, SamplingSettings) for f in dataclasses.fields(cls)]
     assert [f for f in fields if "--" + f.replace("_", "-") not in flags] == []
+
+
+def test_stats_say_whether_launches_were_dependent(tiny_model, capsys, monkeypatch):
+    """With STRATA_NB_DEPENDENT_LAUNCH=1 a run's --stats says whether its kernels launched
+    as dependent ("on") or why not; a backend that has no such launches says nothing. The
+    numpy backend's answer stands in for a GPU's here."""
+    from strata_nb.backend.numpy_backend import NumpyBackend
+
+    argv = ["run", "--model", tiny_model, "--max-tokens", "2", "--stats", "--device", "cpu", "hi"]
+    code, out, err = run_cli(argv, capsys)
+    assert code == 0 and "dependent launches" not in err
+    monkeypatch.setattr(NumpyBackend, "dependent_launches", lambda self: "unavailable: compute capability (8, 0)")
+    code, out, err = run_cli(argv, capsys)
+    assert code == 0 and "dependent launches: unavailable: compute capability (8, 0)" in err
+
+
+def test_a_bad_merge_group_stops_a_cuda_run_before_it_answers(tiny_model, capsys, monkeypatch):
+    monkeypatch.setenv("STRATA_NB_MERGE_GROUP", "3")
+    code, out, err = run_cli(["run", "--model", tiny_model, "--max-tokens", "2", "--device", "cuda", "hi"], capsys)
+    assert code != 0 and out == ""
+    assert "STRATA_NB_MERGE_GROUP is '3': a power of two of at least 2" in err and "Traceback" not in err

@@ -102,6 +102,8 @@ class CudaBackend:
         from ..kernels.attention import attention_step
         from ..kernels.step import block_scores
 
+        attention_step.merge_group()  # STRATA_NB_MERGE_GROUP, if set, is a power of two: said now, not mid-answer
+
         if cfg.n_expert and (cfg.n_expert > MAX_EXPERTS or cfg.n_expert_used > MAX_USED or cfg.d_model > MAX_DIM):
             raise StrataError(f"the cuda backend's expert kernels take at most {MAX_EXPERTS} experts, {MAX_USED} a "
                               f"token and a model dim of {MAX_DIM}; this model has {cfg.n_expert}, "
