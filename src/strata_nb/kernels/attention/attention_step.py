@@ -233,7 +233,9 @@ def make_attention_step_kernel(read_k, read_v, G, D, per_split, grouped=False):
     are compiled in, with the block's thread count: the loops over heads unroll and a
     thread's G sums live in registers, and every index is divided by a constant. (Numba
     does integer arithmetic in 64 bits; a division by a value known only at run time,
-    a loop's trip count over a runtime stride included, is a long software routine.)"""
+    a loop's trip count over a runtime stride included, is a long software routine.)
+    grouped: the splits merge in groups of 2**group_shift first (the module docstring);
+    a kernel of its own, so the one-merge kernel carries none of its code or registers."""
     LANES = split_lanes(D, G)
     N_THREADS = STEP_THREADS
     N_WARPS = N_THREADS // WARP
