@@ -234,9 +234,7 @@ def test_a_lone_split_trusts_the_order():
         run(lambda *a: attention(*a, per_split=1, ordered=True), *args)
 
 
-@pytest.mark.parametrize("group", [2, 4])
-@pytest.mark.parametrize("fmt", ["fp16", "k8v4"])
-@pytest.mark.parametrize("q_pos", [90, 37])
+@pytest.mark.parametrize("fmt, group, q_pos", [("fp16", 2, 37), ("k8v4", 4, 37), ("fp16", 4, 90), ("k8v4", 2, 90)])
 def test_a_merge_in_groups_matches_ref(nan_records, fmt, group, q_pos):
     """Every block its own split (6 splits), merged in groups of 2 or 4 (the last group of
     4 holds 2), then the groups' records merged: the output within the tolerance of the
