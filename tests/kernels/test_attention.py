@@ -268,3 +268,25 @@ def test_a_merge_group_that_is_not_a_power_of_two_is_an_error(monkeypatch, value
         attention_step_module.merge_group()
     monkeypatch.setenv("STRATA_NB_MERGE_GROUP", "16")
     assert attention_step_module.merge_group() == 16
+
+
+@pytest.mark.slow  # 64 thread blocks under the simulator: ~14 s; a GPU runs it in the named file
+def test_a_merge_in_groups_of_32_splits():
+    """A long list (the 6 blocks, then padding: 64 columns, a split each) merged in groups
+    of 32, the least a GPU's group holds (a round of the merge's loads), so the GPU's sizes
+    merge in groups here too: within the reference's tolerance and one merge's, the tickets
+    back at 0."""
+    pool, host = filled_cache("fp16", PAGE_TABLE, n_slots=4)
+    q = np.random.default_rng(9).standard_normal((1, N_HEADS, HEAD_DIM), np.float32)
+    blocks = np.full((1, 64), -1, np.int32)
+    blocks[0, :N_BLOCKS] = np.arange(N_BLOCKS)
+    args = ("fp16", q, np.array([90], np.int32), blocks, PAGE_TABLE, pool, host)
+
+    def merged(group_size):
+        return run(lambda *a: attention(*a, per_split=1, ordered=False, merge_group=group_size), *args)
+
+    got = merged(32)
+    np.testing.assert_allclose(got, run(attention_ref, *args), atol=ATOL, rtol=RTOL)
+    np.testing.assert_allclose(got, merged(0), atol=ATOL, rtol=RTOL)
+    assert not ticket_counters("attention_step", (1, N_KV)).copy_to_host().any()
+    assert not ticket_counters("attention_step_groups", (1, N_KV, 2)).copy_to_host().any()
