@@ -108,19 +108,20 @@ else:
             builder.call(ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), ptx, "~{memory}", side_effect=True), [])
 
     # --8<-- [start:dependent_instructions]
+    def _emits(ptx: str):
+        """An intrinsic's code generation: the one instruction, on sm_90 and up."""
+        def codegen(context, builder, signature, args):
+            _on_sm90(builder, ptx)
+            return context.get_dummy_value()
+        return codegen
+
     @intrinsic
     def wait_for_inputs(typingctx):
         """griddepcontrol.wait: until the kernels this one depends on have finished."""
-        def codegen(context, builder, signature, args):
-            _on_sm90(builder, "griddepcontrol.wait;")
-            return context.get_dummy_value()
-        return types.void(), codegen
+        return types.void(), _emits("griddepcontrol.wait;")
 
     @intrinsic
     def let_next_start(typingctx):
         """griddepcontrol.launch_dependents: the next kernel may be launched."""
-        def codegen(context, builder, signature, args):
-            _on_sm90(builder, "griddepcontrol.launch_dependents;")
-            return context.get_dummy_value()
-        return types.void(), codegen
+        return types.void(), _emits("griddepcontrol.launch_dependents;")
     # --8<-- [end:dependent_instructions]
