@@ -23,23 +23,25 @@ from strata_nb.backend.numpy_backend import NumpyBackend
 from strata_nb.gpu.dependent_launch import dependent_launches, enabled, is_dependent
 from strata_nb.gpu.sm90 import dependent_order
 from strata_nb.kernels.attention.attention_step import STEP_KERNELS
+from strata_nb.kernels.dense.embed import EMBED_KERNELS, embed_rows_kernel
 from strata_nb.kernels.dense.matvec_fused import MATVEC_KERNELS
 from strata_nb.kernels.experts.expert_down import EXPERT_DOWN_KERNELS
 from strata_nb.kernels.experts.expert_gate_up import EXPERT_GATE_UP_KERNELS, ROUTED_GATE_UP_KERNELS
 from strata_nb.kernels.experts.route import ROUTE_KERNELS
 from strata_nb.kernels.kv.key_sketch import key_sketch_kernel
 from strata_nb.kernels.kv.kv_append_k8v4 import kv_append_k8v4_kernel
+from strata_nb.kernels.step.advance_step import advance_step_kernel
 from strata_nb.kernels.step.argmax import argmax_kernel
 from strata_nb.kernels.step.block_scores import BLOCK_SCORES_KERNELS
 from strata_nb.kernels.step.map_ring import map_ring_kernel
 from strata_nb.kernels.step.select_blocks import select_blocks_kernel
 
-# A decode step's kernels that wait for their inputs: every launch of a step but the embed
-# and the step's advance (its first kernel), and the verify window's too
+# A decode step's kernels, all of which wait for their inputs (a verify window runs the same)
 STEP_S_KERNELS = [*MATVEC_KERNELS.values(), *STEP_KERNELS.values(), *EXPERT_DOWN_KERNELS.values(),
                   *EXPERT_GATE_UP_KERNELS.values(), *ROUTED_GATE_UP_KERNELS.values(), *ROUTE_KERNELS.values(),
                   *BLOCK_SCORES_KERNELS.values(), key_sketch_kernel, kv_append_k8v4_kernel, argmax_kernel,
-                  map_ring_kernel, select_blocks_kernel]
+                  map_ring_kernel, select_blocks_kernel, *EMBED_KERNELS.values(), embed_rows_kernel,
+                  advance_step_kernel]
 
 GOOD = """
 .visible .entry k(.param .u64 k_param_0)
