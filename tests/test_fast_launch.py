@@ -118,3 +118,40 @@ def test_a_wrong_packer_is_caught():
     done = _child(broken)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() != "ok" and "packed" in done.stdout
+
+
+DEPENDENT = textwrap.dedent(r"""
+    import types
+    from strata_nb.gpu import fast_launch as fl
+
+    def device(cc):
+        return types.SimpleNamespace(compute_capability=cc)
+
+    fl.install()  # importing strata_nb has done it already: a no-op then
+    installed, fl._INSTALLED = fl._INSTALLED, False
+    print("fast path off:", fl.dependent_launch_support(device((9, 0))))
+    fl._INSTALLED = installed
+    print("sm_80:", fl.dependent_launch_support(device((8, 0))))
+    why = fl.dependent_launch_support(device((9, 0)))
+    print("sm_90:", repr(why))
+    if not why:
+        dims = ((4, 1, 1), (256, 1, 1), 0)
+        plain, dependent = fl._config(dims, False), fl._config(dims, True)
+        print("configs:", plain.programmatic_stream_serialization, dependent.programmatic_stream_serialization,
+              fl._config(dims, True) is dependent)
+""")
+
+
+def test_a_dependent_launch_s_config_and_when_there_is_none():
+    """gpu/dependent_launch.py's launches: the fast path's config for a dependent launch
+    asks cuda.core for programmatic stream serialization (and is kept, as a plain one is);
+    without the fast path, or on a GPU before sm_90, the support check says why not."""
+    done = _child(DEPENDENT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
+    assert "fast path off: the fast launch path is off" in out
+    assert "sm_80: compute capability (8, 0) (dependent launches need 9.0)" in out
+    if "sm_90: ''" in out:  # cuda.core >= 1.2 has the option
+        assert "configs: False True True" in out
+    else:
+        assert "has no programmatic_stream_serialization (1.2 has)" in out
