@@ -2,8 +2,8 @@
 kernel before it in the stream is still running, and waits inside itself for that
 kernel's results.
 
-A decode step of the default model is about 150 small kernels one after another, each
-waiting for the one before. Between two of them the GPU drains the first (its last
+A decode step of the default model is a long chain of small kernels, several a layer,
+each waiting for the one before. Between two of them the GPU drains the first (its last
 thread blocks finish, its writes are flushed), then launches the second and places its
 thread blocks: microseconds a boundary in which no weights are read. With a dependent
 launch the second kernel is launched and its blocks placed while the first still runs;

@@ -35,14 +35,14 @@ next launch or graph replay. One (query, KV head)'s records fill whole 128-byte 
 (RECORD_PAD), so the merging block cannot hold another group's line in its L1 from an
 earlier read: its loads see what the other blocks wrote.
 
-Merging in groups (`grouped`, STRATA_NB_MERGE_GROUP: splits per group). At 8K cells a
-(query, KV head) has 128 splits, and the one block that merges them all runs alone after
-every split is done: a serial tail of ~10 us of the kernel's ~23 (CHANGELOG, 2026-12-04).
+Merging in groups (`grouped`, STRATA_NB_MERGE_GROUP: splits per group). Deep in a
+context a (query, KV head) has many splits (128 at 8K cells), and the one block that
+merges them all runs alone after every split is done: a serial tail.
 In groups, the last split of each group of 2**k merges that group's records into a group
 record while other splits still work, and the last group to finish merges the group
 records: the tail reads a record per group, not per split. A group holds whole rounds of
 the merge's loads (at least LANES * MERGE_UNROLL splits, so no load needs a bound check,
-which cost the kernel 46 registers), and the group records are padded to whole rounds
+which would cost the kernel registers and blocks an SM), and the group records are padded to whole rounds
 with empty records made once (`group_scratch`). The merge order differs from one merge's,
 so the bits do too; both are within the tolerance of the reference.
 
