@@ -67,6 +67,7 @@ def test_stats_say_which_kernels_were_compiled_and_which_loaded(made, says, tiny
     (["run", "--top-p", "0", "hi"], "--top-p must be in (0, 1]"),
     (["run", "--max-context", "4", "hi"], "--max-context must be at least 16"),
     (["run", "--max-tokens", "x", "hi"], "'x' is not a valid integer"),
+    (["run", "--seed", "-5", "hi"], "--seed must be >= 0"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, message, tiny_model, capsys):
     code, out, err = run_cli(argv[:1] + ["--model", tiny_model] + argv[1:], capsys)

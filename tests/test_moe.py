@@ -169,6 +169,7 @@ def test_cli_writes_the_file(dense, tmp_path, capsys):
     (192, ["--experts", "3"], "--experts 3 is not a power of two"),
     (256, ["--experts", "4", "--used", "5"], "--used must be 1 .. the number of experts (4), got 5"),
     (256, ["--experts", "4", "--used", "2", "--router", "zero"], "--router zero ties every expert"),
+    (256, ["--experts", "4", "--seed", "-1"], "--seed must be >= 0"),
 ])
 def test_cli_bad_input_is_one_line_and_exit_2(d_ff, flags, message, dense, tiny_model, tmp_path, capsys):
     model = dense() if d_ff == 256 else tiny_model  # the tiny model's d_ff is 192
@@ -176,6 +177,27 @@ def test_cli_bad_input_is_one_line_and_exit_2(d_ff, flags, message, dense, tiny_
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and message in lines[0], err
     assert not (tmp_path / "x.gguf").exists()
+
+
+def test_cli_out_in_a_missing_folder_is_one_line_and_exit_2(dense, tmp_path, capsys):
+    out = tmp_path / "no" / "m.gguf"
+    code, _, err = run_cli(["moefy", "--model", dense(), "--experts", "4", "--out", str(out)], capsys)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and f"--out names a folder that does not exist: {out.parent}" in lines[0], err
+
+
+def test_a_write_that_fails_leaves_the_file_that_was_there(dense, tmp_path, monkeypatch):
+    """The file is written beside its name and renamed when whole: a failure halfway (a full
+    disk) leaves what was at the name before, and no half file."""
+    out = tmp_path / "m.gguf"
+    out.write_bytes(b"the earlier file")
+
+    def full_disk(self, tensor):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(gguf.GGUFWriter, "write_tensor_data", full_disk)
+    with pytest.raises(StrataError, match="No space left on device"):
+        moefy(dense(), out, "split", 4)
+    assert out.read_bytes() == b"the earlier file" and sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]
 
 
 def rewrite(src, dst, drop=(), changed=None):

@@ -38,7 +38,7 @@ def test_seed_repeats():
 
 
 @pytest.mark.parametrize("kw", [{"temperature": -1.0}, {"temperature": float("nan")}, {"top_p": 0.0},
-                                {"top_p": 1.5}, {"top_k": -1}, {"max_tokens": 0}])
+                                {"top_p": 1.5}, {"top_k": -1}, {"max_tokens": 0}, {"seed": -5}])
 def test_bad_values(kw):
     with pytest.raises(StrataError):
         SamplingSettings(**kw)

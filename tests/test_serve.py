@@ -144,6 +144,7 @@ BAD = [
     pytest.param(dict(messages=HELLO, max_tokens=-3), 400, "max_tokens", id="negative-max-tokens"),
     pytest.param(dict(messages=HELLO, temperature="hot"), 400, "temperature", id="temperature-not-a-number"),
     pytest.param(dict(messages=HELLO, n=2), 400, "n", id="n-2"),
+    pytest.param(dict(messages=HELLO, seed=-1), 400, "seed", id="negative-seed"),
     pytest.param(dict(messages=[]), 400, "messages", id="no-messages"),
     pytest.param(dict(messages=[{"role": "robot", "content": "x"}]), 400, "role", id="unknown-role"),
     pytest.param(dict(messages=HELLO, stop=["a", "b", "c", "d", "e"]), 400, "stop", id="five-stops"),

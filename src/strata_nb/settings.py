@@ -89,3 +89,5 @@ class SamplingSettings:
             raise SettingError("top_k", f"must be >= 0 (0 = off), got {self.top_k}")
         if not (0.0 < self.top_p <= 1.0):
             raise SettingError("top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.seed is not None and self.seed < 0:
+            raise SettingError("seed", f"must be >= 0, got {self.seed}")

@@ -56,12 +56,31 @@ def moefy(src: str | Path, dst: str | Path | None = None, kind: str = "split", e
     if cfg.n_expert:
         raise StrataError(f"{model.path.name} is already a mixture of {cfg.n_expert} experts")
     used, router = _check(kind, experts, used, router, cfg.d_ff, model.tensor("blk.0.ffn_down.weight").qtype)
+    if seed < 0:
+        raise SettingError("seed", f"must be >= 0, got {seed}")
     dst = Path(dst if dst is not None else f"{model.path.stem}-{kind}-e{experts}k{used}.gguf")
     if dst.resolve() == model.path.resolve():
         raise SettingError("out", "is the model being read; write the MoE file elsewhere")
+    if not dst.parent.is_dir():
+        raise SettingError("out", f"names a folder that does not exist: {dst.parent}")
     ff_e = cfg.d_ff // experts if kind == "split" else cfg.d_ff
     rng = np.random.default_rng(seed)
 
+    # written beside its name and renamed when whole: a write that fails (a full disk)
+    # leaves whatever was at dst, and no half file
+    part = dst.with_name(dst.name + ".part")
+    try:
+        _write(model, part, kind, experts, used, router, ff_e, rng)
+        part.replace(dst)
+    except OSError as e:
+        part.unlink(missing_ok=True)
+        raise StrataError(f"could not write {dst}: {e.strerror or e}") from None
+    return dst
+
+
+def _write(model: GGUFModel, dst: Path, kind: str, experts: int, used: int, router: str, ff_e: int,
+           rng: np.random.Generator):
+    cfg = model.config
     arch = model.metadata("general.architecture")
     w = gguf.GGUFWriter(str(dst), arch)
     _copy_metadata(model, w, {
@@ -91,7 +110,6 @@ def moefy(src: str | Path, dst: str | Path | None = None, kind: str = "split", e
     for _, data, _ in tensors:
         w.write_tensor_data(np.ascontiguousarray(data))
     w.close()
-    return dst
 
 
 def _check(kind: str, experts: int, used: int | None, router: str | None, d_ff: int, qtype: str):

@@ -40,7 +40,7 @@ class Sampling(Strict):
     temperature: float = Field(1.0, ge=0.0, le=2.0)  # OpenAI's default; 0 = greedy
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)  # 0 = off (llama.cpp's extension; OpenAI has none)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0)  # numpy seeds are non-negative
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
