@@ -37,6 +37,15 @@ def test_bench_writes_json_table_and_checks_every_row(tiny_model, tmp_path, caps
     assert "dependent launches" not in md
 
 
+def test_an_out_folder_that_cannot_be_made_is_one_line_before_any_work(tiny_model, tmp_path, capsys, monkeypatch):
+    (tmp_path / "a_file").write_text("")
+    from strata_nb import cli
+    monkeypatch.setattr(cli, "load_engine", lambda **kw: pytest.fail("the engine loaded before --out was checked"))
+    code, out, err = run_cli(bench_argv(tiny_model, tmp_path / "a_file" / "bench"), capsys)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and f"--out {tmp_path / 'a_file' / 'bench'}: cannot make the folder" in err
+
+
 def test_a_run_cut_short_keeps_its_measured_rows(tiny_model, tmp_path, capsys, monkeypatch):
     """bench.partial.json holds the rows measured so far, unchecked, and is gone after a
     run that finishes; a run that dies in its second configuration leaves the first row."""

@@ -109,6 +109,16 @@ def test_compare_kv_json(tiny_model, tmp_path, capsys):
     assert all(0 <= r["top1_agreement"] <= 1 for r in rows.values())
 
 
+def test_compare_kv_scores_a_text_shorter_than_a_block(tiny_model, tmp_path, capsys):
+    text = tmp_path / "short.txt"
+    text.write_text("the lamp")
+    code, out, err = run_cli(["compare-kv", "--model", tiny_model, "--text", str(text), "--kv", "k8v4",
+                              "--device", "cpu", "--json"], capsys)
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["tokens"] == len("the lamp") and result["rows"][0]["mean_kl"] >= 0  # the tiny model's bytes
+
+
 def test_compare_kv_bad_budget(tiny_model, capsys):
     code, _, err = run_cli(["compare-kv", "--model", tiny_model, "--qsa-budget", "lots"], capsys)
     assert code == 2 and "--qsa-budget takes comma-separated cell counts" in err

@@ -149,6 +149,15 @@ def test_cli_bad_input_is_one_line_and_exit_2(argv, message, tiny_model, capsys)
     assert len(lines) == 1 and lines[0].startswith("strata-nb: error:") and message in lines[0], err
 
 
+def test_an_out_folder_that_cannot_be_made_is_said_before_the_replies(tiny_model, tmp_path, capsys, monkeypatch):
+    (tmp_path / "a_file").write_text("")
+    from strata_nb import cli
+    monkeypatch.setattr(cli, "load_engine", lambda **kw: pytest.fail("the engine loaded before --out was checked"))
+    code, out, err = run_cli(["needle", "--model", tiny_model, "--device", "cpu", "--lengths", "256", "--out",
+                              str(tmp_path / "a_file" / "x")], capsys)
+    assert code == 2 and "cannot make the folder" in err and len(err.strip().splitlines()) == 1, err
+
+
 SMALL = ["--device", "cpu", "--lengths", "300,360", "--depths", "0,1", "--budgets", "32,0", "--trials", "1",
          "--max-tokens", "3"]
 

@@ -256,6 +256,8 @@ def test_the_model_field_without_a_models_endpoint(flags, sent, serve):
     (["--url", "http://127.0.0.1:9", "--max-tokens", "0"], "--max-tokens must be at least 1, got 0"),
     (["--url", "http://127.0.0.1:9", "--seed", "-1"], "--seed must be >= 0, got -1"),
     (["--url", "http://127.0.0.1:9", "--ttft", "0"], "--ttft must be at least 1 word, got 0"),
+    (["--url", "http://127.0.0.1:9", "--out", "/no/such/folder/probe.json"],
+     "--out /no/such/folder/probe.json: the folder /no/such/folder does not exist"),
 ])
 def test_bad_flags_are_said_before_the_server_is_asked(flags, message):
     code, _, err = probe(*flags)

@@ -341,6 +341,7 @@ def needle(lengths, depths, budgets, trials, max_tokens, seed, out, as_json, **e
     grid = probe.check(_numbers(lengths, "--lengths", int, "token counts"),
                        _numbers(depths, "--depths", float, "shares from 0 to 1"),
                        _numbers(budgets, "--budgets", int, "cell counts"), trials, max_tokens, seed)
+    folder = _out_folder(out) if out is not None else None
     plot = out is not None and find_spec("matplotlib") is not None
     if out is not None and not plot:
         click.echo("strata-nb: needle.png needs matplotlib (pip install 'strata-nb[bench]'); "
@@ -352,9 +353,7 @@ def needle(lengths, depths, budgets, trials, max_tokens, seed, out, as_json, **e
         result = probe.run(eng, *grid, trials, max_tokens, progress=bar.update, seed=seed)
     result["settings"]["device"] = _device_name(eng.be)
     result["command"] = "strata-nb " + shlex.join(_ARGV)
-    if out is not None:
-        folder = Path(out)
-        folder.mkdir(parents=True, exist_ok=True)
+    if folder is not None:
         (folder / "needle.json").write_text(json.dumps(result, indent=1))
         s = result["settings"]
         (folder / "needle.md").write_text(
@@ -368,6 +367,26 @@ def needle(lengths, depths, budgets, trials, max_tokens, seed, out, as_json, **e
         for path in written:
             click.echo(str(path), err=True)
     click.echo(json.dumps(result, indent=1) if as_json else probe.table(result))
+
+
+def _out_folder(out: str) -> "Path":
+    """--out's folder, made before the work whose results it will hold, or a clear error."""
+    from pathlib import Path
+
+    try:
+        Path(out).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise StrataError(f"--out {out}: cannot make the folder ({e.strerror or e})") from None
+    return Path(out)
+
+
+def _out_file(out: str) -> "Path":
+    """--out's file, its folder checked before the work whose results it will hold."""
+    from pathlib import Path
+
+    if not Path(out).parent.is_dir():
+        raise StrataError(f"--out {out}: the folder {Path(out).parent} does not exist")
+    return Path(out)
 
 
 def _numbers(text: str, flag: str, kind, what: str) -> list:
@@ -438,14 +457,14 @@ def bench(model, formats, streamed_formats, depths, runs, decode_tokens, check_t
         from .bench.llama import check_binary
 
         llama_bench = check_binary(llama_bench)
+    folder = _out_folder(out)
     eng = load_engine(model=model, device=device, graph=graph, max_context=max_context)
     if shares and not eng.config.n_expert:
         raise StrataError("--expert-cache benches an MoE model's expert cache; this model is dense")
     text = resources.files("strata_nb.data").joinpath("default_document.txt").read_text()
     about = {"model": eng.config.name or str(eng.model.path), "device": _device_name(eng.be),
              "command": "strata-nb " + shlex.join(_ARGV)}
-    partial = Path(out) / "bench.partial.json"  # this run's rows so far: what a cut-short run leaves
-    Path(out).mkdir(parents=True, exist_ok=True)
+    partial = folder / "bench.partial.json"  # this run's rows so far: what a cut-short run leaves
 
     def progress(result):
         partial.write_text(json.dumps(result | about, indent=1))
@@ -458,7 +477,7 @@ def bench(model, formats, streamed_formats, depths, runs, decode_tokens, check_t
             "rows": earlier["rows"] + result["rows"], "peer": earlier.get("peer", []) + result["peer"],
             "llama": earlier.get("llama", []) + result.get("llama", []),
             "command": earlier["command"] + "; then: " + result["command"]}
-    for path in write(result, Path(out)):
+    for path in write(result, folder):
         click.echo(str(path))
     partial.unlink(missing_ok=True)
 
@@ -569,14 +588,13 @@ def fetch():
 def probe_cmd(ctx, url, api_key, timeout, as_json, out, **settings):
     """Check an OpenAI-compatible chat server: streaming, repeats, state between requests, retrieval, loops.
     Exit 0 when every check passes, 1 when one fails."""
-    from pathlib import Path
-
     from .serve import probe
 
     checks = probe.ProbeSettings(**settings)  # bad flags are said before the server is asked anything
+    out_file = _out_file(out) if out is not None else None
     result = probe.run(probe.Server(url, api_key, timeout), checks)  # no command line in it: it may hold the key
-    if out is not None:
-        Path(out).write_text(json.dumps(result, indent=1))
+    if out_file is not None:
+        out_file.write_text(json.dumps(result, indent=1))
     click.echo(json.dumps(result, indent=1) if as_json else probe.table(result))
     ctx.exit(0 if result["passed"] else 1)
 

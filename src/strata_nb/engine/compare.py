@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..kv_layout import BLOCK
+
 
 def log_softmax(x: np.ndarray) -> np.ndarray:
     """x (n, vocab) logits -> (n, vocab) float64 log-probabilities."""
@@ -21,9 +23,9 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
 # --8<-- [start:compare_kv]
 def compare_kv(base, ids: list[int], formats: list[str], budgets: list[int], progress=None) -> dict:
     """base: an Engine (its model and weights are shared). Returns the table as a dict."""
-    ctx = len(ids)
-    reference = base.derive(kv="fp32", kv_resident=0, qsa_budget=0, max_context=ctx, fault="none")
-    rows = [(fmt, b, base.derive(kv=fmt, qsa_budget=b, max_context=ctx)) for fmt in formats for b in budgets]
+    cells = max(len(ids), BLOCK)  # a cache holds whole blocks
+    reference = base.derive(kv="fp32", kv_resident=0, qsa_budget=0, max_context=cells, fault="none")
+    rows = [(fmt, b, base.derive(kv=fmt, qsa_budget=b, max_context=cells)) for fmt in formats for b in budgets]
     compared = [Rows(e.score_chunks(ids, windows_from=b or None)) for _, b, e in rows]
     target = np.asarray(ids[1:] + [-1])  # row p predicts token p + 1 (the last row predicts nothing)
     ref_nll, acc = [], [dict(kl=[], top1=[], nll=[]) for _ in rows]
@@ -48,7 +50,7 @@ def compare_kv(base, ids: list[int], formats: list[str], budgets: list[int], pro
         table.append(dict(kv=fmt, qsa_budget=b, mean_kl=float(kl.mean()), max_kl=float(kl.max()),
                           top1_agreement=float(np.concatenate(a["top1"]).mean()), ppl=ppl,
                           ppl_change=ppl / ref_ppl - 1.0))
-    return dict(tokens=ctx, reference=dict(kv="fp32", qsa_budget=0, ppl=ref_ppl), rows=table)
+    return dict(tokens=len(ids), reference=dict(kv="fp32", qsa_budget=0, ppl=ref_ppl), rows=table)
 # --8<-- [end:compare_kv]
 
 
