@@ -2,7 +2,9 @@
 OpenAI-style error object a bad one gets back.
 
 A field the server does not know is an error, not silently ignored: a client that sends
-`presence_penalty` expecting it to act should hear that it does not.
+`presence_penalty` expecting it to act should hear that it does not. Counts and switches
+take JSON integers and booleans only (`strict`): `"max_tokens": true` or `"stream": "yes"`
+is a mistake to report, not a value to guess.
 """
 from __future__ import annotations
 
@@ -30,19 +32,19 @@ class Message(Strict):
 
 
 class StreamOptions(Strict):
-    include_usage: bool = False
+    include_usage: bool = Field(False, strict=True)
 
 
 class Sampling(Strict):
     """The fields chat and text completions share."""
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)  # None: up to the end of the context
+    max_tokens: int | None = Field(None, ge=1, strict=True)  # None: up to the end of the context
     temperature: float = Field(1.0, ge=0.0, le=2.0)  # OpenAI's default; 0 = greedy
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)  # 0 = off (llama.cpp's extension; OpenAI has none)
-    seed: int | None = Field(None, ge=0)  # numpy seeds are non-negative
+    top_k: int = Field(0, ge=0, strict=True)  # 0 = off (llama.cpp's extension; OpenAI has none)
+    seed: int | None = Field(None, ge=0, strict=True)  # numpy seeds are non-negative
     stop: str | list[str] | None = None
-    stream: bool = False
+    stream: bool = Field(False, strict=True)
     stream_options: StreamOptions | None = None
     n: Literal[1] = 1  # one engine, one reply per request
     user: str | None = None
@@ -62,7 +64,7 @@ class Sampling(Strict):
 
 class ChatRequest(Sampling):
     messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
+    max_completion_tokens: int | None = Field(None, ge=1, strict=True)  # OpenAI's newer name for max_tokens
 
 
 class CompletionRequest(Sampling):
