@@ -68,6 +68,7 @@ def test_stats_say_which_kernels_were_compiled_and_which_loaded(made, says, tiny
     (["run", "--max-context", "4", "hi"], "--max-context must be at least 16"),
     (["run", "--max-tokens", "x", "hi"], "'x' is not a valid integer"),
     (["run", "--seed", "-5", "hi"], "--seed must be >= 0"),
+    (["run", "--expert-cache", "3", "hi"], "--expert-cache 3 caches an MoE model's experts; this model is dense"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, message, tiny_model, capsys):
     code, out, err = run_cli(argv[:1] + ["--model", tiny_model] + argv[1:], capsys)
@@ -93,6 +94,15 @@ def test_info_json_kv_sizes(kv, cell, per_token, default_model_path, capsys):
     assert facts["bytes_per_token"] == per_token and facts["bytes_at_max_context"] == per_token * 8192
     assert sum(r["bytes"] for r in facts["runs"]) == cell * 16
     assert len(facts["runs"]) == {"fp16": 2, "int8": 4, "q4_0": 2, "k8v4": 3}[kv]
+
+
+def test_a_qsa_budget_below_the_window_says_what_a_query_reads(tiny_model, capsys):
+    code, _, err = run_cli(["run", "--model", tiny_model, "--device", "cpu", "--qsa-budget", "32", "--max-tokens", "1",
+                            "hi"], capsys)
+    assert code == 0 and "--qsa-budget 32 is below what a query always reads" in err and "at most 272 cells" in err
+    code, _, err = run_cli(["run", "--model", tiny_model, "--device", "cpu", "--qsa-budget", "288", "--max-tokens", "1",
+                            "hi"], capsys)
+    assert code == 0 and "qsa-budget" not in err
 
 
 def test_compare_kv_json(tiny_model, tmp_path, capsys):

@@ -107,3 +107,20 @@ def test_map_ring_kernel_equals_ref(pos):                          # the pool mo
         assert page_table[block] == block % 2 and slot_block[block % 2] == block
         for b in np.flatnonzero(page_table >= 0):  # still inverse maps
             assert slot_block[page_table[b]] == b
+
+
+@pytest.mark.parametrize("budget", [7, 32, 272, 1000, 1024])
+def test_the_budget_note_says_what_a_deep_query_reads(budget):
+    """budget_note (printed at load) names the cells a query far into the context reads:
+    the budget when it is whole blocks above the first block and the window, else the
+    number the note gives."""
+    import re
+
+    from strata_nb.kernels.step.select_blocks import budget_note
+
+    window, pos = 16, 4000
+    scores = np.random.default_rng(budget).standard_normal((1, pos // 16 + 1)).astype(np.float32)
+    cells = 16 * int((host_select_blocks(scores, np.array([pos]), window, budget) >= 0).sum())
+    note = budget_note(budget, window)
+    assert cells == (budget if note is None else int(re.search(r"at most (\d+)", note).group(1)))
+    assert (note is None) == (budget in (272, 1024))

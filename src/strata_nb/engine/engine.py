@@ -18,6 +18,7 @@ from ..errors import SettingError, StrataError
 from ..gpu.geometry import SIMULATED
 from ..kernel_cache import CompileProgress, package_kernels
 from ..kernels.dense.matvec_fused import MAX_ROWS
+from ..kernels.step.select_blocks import budget_note
 from ..kv.cache import KVCache
 from ..kv_layout import BLOCK
 from ..model.fetch import ensure_default_model
@@ -100,10 +101,16 @@ class Engine:
         self.load_seconds = 0.0  # set by Engine.load
         if self.kv.streamed and not quiet:
             print(self.kv.describe(), file=sys.stderr)
+        note = budget_note(settings.qsa_budget, settings.kv_window // BLOCK) if settings.qsa_budget else None
+        if note and not quiet:
+            print(f"strata-nb: {note}", file=sys.stderr)
         if self.config.n_expert:
             self._expert_cache(shared)
         elif settings.fault == "expert-early-resident":
             raise SettingError("fault", "'expert-early-resident' breaks the expert cache: it needs an MoE model")
+        elif settings.expert_cache != "auto":
+            raise SettingError("expert_cache", f"{settings.expert_cache} caches an MoE model's experts; this model is "
+                                               "dense")
         self.last_stats = RunStats()
         self._spec_passes = None  # ({width: VerifyWindow}, DeviceStep) once speculation first runs on the GPU
         self._prompt_chunks = None  # PromptChunks once a prefill first runs on the GPU path

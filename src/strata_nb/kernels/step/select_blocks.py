@@ -58,6 +58,20 @@ def candidates(pos, window_blocks: int) -> range:
     return range(1, max(1, pos // BLOCK - window_blocks + 1))
 
 
+def budget_note(budget_cells: int, window_blocks: int) -> str | None:
+    """What a query reads when the budget does not say it plainly, else None: the budget is
+    whole blocks (rounded down), and the first block and the window are read whatever it is."""
+    always = (1 + window_blocks) * BLOCK
+    if budget_cells >= always and budget_cells % BLOCK == 0:
+        return None
+    if budget_cells < always:
+        return (f"--qsa-budget {budget_cells} is below what a query always reads, the first block and the "
+                f"--kv-window of {window_blocks * BLOCK} cells, so selection adds no block (a query reads at most "
+                f"{always} cells)")
+    return (f"--qsa-budget {budget_cells} is not whole blocks of {BLOCK} cells: a query reads "
+            f"at most {budget_cells // BLOCK * BLOCK}")
+
+
 def select_rows_ref(scores: np.ndarray, positions: np.ndarray, window_blocks: int, budget_cells: int) -> np.ndarray:
     """QSA's choice for each query: the first block, the recent window, then the best-scoring
     others until the budget. scores (n_q, n_blocks) float32, positions (n_q,) -> (n_q, max_sel)
