@@ -66,15 +66,16 @@ def moefy(src: str | Path, dst: str | Path | None = None, kind: str = "split", e
     ff_e = cfg.d_ff // experts if kind == "split" else cfg.d_ff
     rng = np.random.default_rng(seed)
 
-    # written beside its name and renamed when whole: a write that fails (a full disk)
-    # leaves whatever was at dst, and no half file
+    # written beside its name and renamed when whole: a write that fails (a full disk) or
+    # is stopped (Ctrl-C) leaves whatever was at dst, and no half file
     part = dst.with_name(dst.name + ".part")
     try:
         _write(model, part, kind, experts, used, router, ff_e, rng)
         part.replace(dst)
     except OSError as e:
-        part.unlink(missing_ok=True)
         raise StrataError(f"could not write {dst}: {e.strerror or e}") from None
+    finally:
+        part.unlink(missing_ok=True)
     return dst
 
 
