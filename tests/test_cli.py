@@ -232,3 +232,12 @@ def test_a_bad_merge_group_stops_a_cuda_run_before_it_answers(tiny_model, capsys
     code, out, err = run_cli(["run", "--model", tiny_model, "--max-tokens", "2", "--device", "cuda", "hi"], capsys)
     assert code != 0 and out == ""
     assert "STRATA_NB_MERGE_GROUP is '3': a power of two of at least 2" in err and "Traceback" not in err
+
+
+def test_a_model_cache_folder_that_cannot_be_made_is_one_line(tmp_path, monkeypatch, capsys):
+    (tmp_path / "a_file").write_text("")
+    monkeypatch.setenv("STRATA_NB_HOME", str(tmp_path / "a_file" / "home"))
+    code, _, err = run_cli(["fetch"], capsys)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "cannot make the model cache folder" in lines[0], err
+    assert "STRATA_NB_HOME" in lines[0]

