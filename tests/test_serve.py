@@ -147,6 +147,7 @@ BAD = [
     pytest.param(dict(messages=HELLO, seed=-1), 400, "seed", id="negative-seed"),
     pytest.param(dict(messages=HELLO, max_tokens=True), 400, "max_tokens", id="max-tokens-true"),
     pytest.param(dict(messages=HELLO, stream="yes"), 400, "stream", id="stream-yes"),
+    pytest.param(dict(messages=HELLO, temperature="0.5"), 400, "temperature", id="temperature-a-string"),
     pytest.param(dict(messages=[]), 400, "messages", id="no-messages"),
     pytest.param(dict(messages=[{"role": "robot", "content": "x"}]), 400, "role", id="unknown-role"),
     pytest.param(dict(messages=HELLO, stop=["a", "b", "c", "d", "e"]), 400, "stop", id="five-stops"),

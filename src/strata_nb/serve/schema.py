@@ -2,9 +2,10 @@
 OpenAI-style error object a bad one gets back.
 
 A field the server does not know is an error, not silently ignored: a client that sends
-`presence_penalty` expecting it to act should hear that it does not. Counts and switches
-take JSON integers and booleans only (`strict`): `"max_tokens": true` or `"stream": "yes"`
-is a mistake to report, not a value to guess.
+`presence_penalty` expecting it to act should hear that it does not. Numbers and switches
+take JSON numbers and booleans only (`strict`; a float field takes an integer too):
+`"max_tokens": true`, `"temperature": "0.5"` or `"stream": "yes"` is a mistake to report,
+not a value to guess.
 """
 from __future__ import annotations
 
@@ -39,8 +40,8 @@ class Sampling(Strict):
     """The fields chat and text completions share."""
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1, strict=True)  # None: up to the end of the context
-    temperature: float = Field(1.0, ge=0.0, le=2.0)  # OpenAI's default; 0 = greedy
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    temperature: float = Field(1.0, ge=0.0, le=2.0, strict=True)  # OpenAI's default; 0 = greedy
+    top_p: float = Field(1.0, gt=0.0, le=1.0, strict=True)
     top_k: int = Field(0, ge=0, strict=True)  # 0 = off (llama.cpp's extension; OpenAI has none)
     seed: int | None = Field(None, ge=0, strict=True)  # numpy seeds are non-negative
     stop: str | list[str] | None = None
