@@ -55,9 +55,7 @@ def moefy(src: str | Path, dst: str | Path | None = None, kind: str = "split", e
     cfg = model.config
     if cfg.n_expert:
         raise StrataError(f"{model.path.name} is already a mixture of {cfg.n_expert} experts")
-    used, router = _check(kind, experts, used, router, cfg.d_ff, model.tensor("blk.0.ffn_down.weight").qtype)
-    if seed < 0:
-        raise SettingError("seed", f"must be >= 0, got {seed}")
+    used, router = _check(kind, experts, used, router, seed, cfg.d_ff, model.tensor("blk.0.ffn_down.weight").qtype)
     dst = Path(dst if dst is not None else f"{model.path.stem}-{kind}-e{experts}k{used}.gguf")
     if dst.resolve() == model.path.resolve():
         raise SettingError("out", "is the model being read; write the MoE file elsewhere")
@@ -113,8 +111,10 @@ def _write(model: GGUFModel, dst: Path, kind: str, experts: int, used: int, rout
     w.close()
 
 
-def _check(kind: str, experts: int, used: int | None, router: str | None, d_ff: int, qtype: str):
+def _check(kind: str, experts: int, used: int | None, router: str | None, seed: int, d_ff: int, qtype: str):
     """Every setting the file needs, checked before writing: -> (used, router)."""
+    if seed < 0:
+        raise SettingError("seed", f"must be >= 0, got {seed}")
     if kind not in KINDS:
         raise SettingError("kind", f"{kind!r} is not one of {', '.join(KINDS)}")
     if experts < 2:
