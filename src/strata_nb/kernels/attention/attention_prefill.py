@@ -62,6 +62,68 @@ def tile_cells(head_dim: int) -> int:
     return 64 if head_dim <= 64 else 32
 
 
+# --8<-- [start:round_loader]
+def make_round_loader(read_k, read_v, D, COLS, THREADS):
+    """The two steps that start a round in both prompt kernels (this file's and
+    attention_prefill_mma.py's), for one format, head_dim D, COLS selected blocks a round
+    and THREADS threads a block. Every thread of the block calls each; a barrier follows."""
+
+    @cuda.jit(device=True)
+    def set_columns(t, q0, n_tile, s0, end, last, blocks, page_table, col_row, col_host, col_start, chosen, cb, qb):
+        """The round's columns s0 .. s0 + COLS - 1 of the selection, into the shared lists
+        from cb: which slot (or block of the host copy) each reads, -1 = none; and from qb,
+        which of them each query of the tile selected (bit cc of chosen)."""
+        shared_row = 1 if blocks.shape[0] == 1 else 0  # one selection for every query
+        for cc in range(t, COLS, THREADS):
+            b = -1  # the tile's block in this column: its queries agree (the launcher checked)
+            if s0 + cc < end:
+                for i in range(q0, q0 + n_tile):
+                    b = max(b, blocks[i if shared_row == 0 else 0, s0 + cc])
+            seen = b >= 0 and b * BLOCK <= last  # padding, or wholly after the tile: skipped
+            slot = page_table[b] if seen else -1
+            col_row[cb + cc] = (slot if slot >= 0 else b) if seen else -1
+            col_host[cb + cc] = 1 if slot < 0 else 0
+            col_start[cb + cc] = b * BLOCK
+        for qi in range(t, n_tile, THREADS):
+            bits = 0
+            for cc in range(COLS):
+                if s0 + cc < end and blocks[q0 + qi if shared_row == 0 else 0, s0 + cc] >= 0:
+                    bits |= 1 << cc
+            chosen[qb + qi] = bits
+
+    @cuda.jit(device=True)
+    def unpack(t, cb, kv_h, last, col_row, col_host, col_start, pool_ka, pool_kb, pool_va, pool_vb,
+               host_ka, host_kb, host_va, host_vb, kp, v_s, column):
+        """The round's K and V rows, dequantized, into kp[c, j] and v_s[c, d]: thread u of a
+        column reads value u of the block's 16 K (or V) rows. Cells no query of the tile
+        sees are zeros, so a weight of 0 never meets a NaN."""
+        for e in range(t, COLS * 2 * D, THREADS):
+            cc, u = e // (2 * D), e % (2 * D)
+            r = col_row[cb + cc]
+            c0 = cc * BLOCK
+            if u < D:
+                if r >= 0:
+                    if col_host[cb + cc] == 1:
+                        read_k(host_ka, host_kb, r, kv_h, u, column)
+                    else:
+                        read_k(pool_ka, pool_kb, r, kv_h, u, column)
+                for c in range(BLOCK):  # unwritten cells may hold NaN: no query sees them
+                    seen = r >= 0 and col_start[cb + cc] + c <= last
+                    kp[c0 + c, u] = column[c] if seen else float32(0.0)
+            else:
+                if r >= 0:
+                    if col_host[cb + cc] == 1:
+                        read_v(host_va, host_vb, r, kv_h, u - D, column)
+                    else:
+                        read_v(pool_va, pool_vb, r, kv_h, u - D, column)
+                for c in range(BLOCK):
+                    seen = r >= 0 and col_start[cb + cc] + c <= last
+                    v_s[c0 + c, u - D] = column[c] if seen else float32(0.0)
+
+    return set_columns, unpack
+# --8<-- [end:round_loader]
+
+
 # --8<-- [start:attention_kernel]
 def make_attention_kernel(read_k, read_v, D):
     """The prompt kernel for one format (how it reads a column of K and of V:
@@ -80,6 +142,7 @@ def make_attention_kernel(read_k, read_v, D):
     Q_SHAPE, KP_SHAPE, V_SHAPE = (D, Q_ROWS), (max(CELLS, Q_ROWS), max(D, CELLS) + 1), (CELLS, D)
     uD, uCELLS, uRG, uCG = uint64(D), uint64(CELLS), uint64(ROW_GROUPS), uint64(COL_GROUPS)
     B_REGS = max(CPT, DPT)  # K values of the scores, then V values of the sums
+    set_columns, unpack = make_round_loader(read_k, read_v, D, COLS, THREADS)
 
     @cuda.jit(cache=True)
     def attention_kernel(q,           # (Q, H, D) float32
@@ -117,7 +180,6 @@ def make_attention_kernel(read_k, read_v, D):
         G = q.shape[1] // pool_ka.shape[1]  # consecutive query heads share a KV head
         n_tile = min(tile, q.shape[0] - q0)
         rows = n_tile * G
-        shared_row = 1 if blocks.shape[0] == 1 else 0  # one selection for every query
         q_s = cuda.shared.array(Q_SHAPE, float32)  # q_s[j, r]: a warp's two rows side by side
         kp = cuda.shared.array(KP_SHAPE, float32)  # K tile kp[c, j] (rows padded), then weights kp[r, c]
         v_s = cuda.shared.array(V_SHAPE, float32)  # v_s[c, d]
@@ -159,22 +221,8 @@ def make_attention_kernel(read_k, read_v, D):
         for s0 in range(first, end, COLS):
             half = ((s0 - first) // COLS) % 2
             cb, qb = half * MAX_TILE_COLUMNS, half * MAX_TILE_QUERIES
-            for cc in range(t, COLS, THREADS):
-                b = -1  # the tile's block in this column: its queries agree (the launcher checked)
-                if s0 + cc < end:
-                    for i in range(q0, q0 + n_tile):
-                        b = max(b, blocks[i if shared_row == 0 else 0, s0 + cc])
-                seen = b >= 0 and b * BLOCK <= last  # padding, or wholly after the tile: skipped
-                slot = page_table[b] if seen else -1
-                col_row[cb + cc] = (slot if slot >= 0 else b) if seen else -1
-                col_host[cb + cc] = 1 if slot < 0 else 0
-                col_start[cb + cc] = b * BLOCK
-            for qi in range(t, n_tile, THREADS):
-                bits = 0
-                for cc in range(COLS):
-                    if s0 + cc < end and blocks[q0 + qi if shared_row == 0 else 0, s0 + cc] >= 0:
-                        bits |= 1 << cc
-                chosen[qb + qi] = bits
+            set_columns(t, q0, n_tile, s0, end, last, blocks, page_table, col_row, col_host, col_start, chosen,
+                        cb, qb)
             cuda.syncthreads()
             any_seen = False  # the same for every thread, so none skips a barrier alone
             for cc in range(COLS):
@@ -182,29 +230,8 @@ def make_attention_kernel(read_k, read_v, D):
             if not any_seen:
                 continue
 
-            # Unpack: thread u of a column reads value u of the block's 16 K (or V) rows.
-            for e in range(t, COLS * 2 * D, THREADS):
-                cc, u = e // (2 * D), e % (2 * D)
-                r = col_row[cb + cc]
-                c0 = cc * BLOCK
-                if u < D:
-                    if r >= 0:
-                        if col_host[cb + cc] == 1:
-                            read_k(host_ka, host_kb, r, kv_h, u, column)
-                        else:
-                            read_k(pool_ka, pool_kb, r, kv_h, u, column)
-                    for c in range(BLOCK):  # unwritten cells may hold NaN: no query sees them
-                        seen = r >= 0 and col_start[cb + cc] + c <= last
-                        kp[c0 + c, u] = column[c] if seen else float32(0.0)
-                else:
-                    if r >= 0:
-                        if col_host[cb + cc] == 1:
-                            read_v(host_va, host_vb, r, kv_h, u - D, column)
-                        else:
-                            read_v(pool_va, pool_vb, r, kv_h, u - D, column)
-                    for c in range(BLOCK):
-                        seen = r >= 0 and col_start[cb + cc] + c <= last
-                        v_s[c0 + c, u - D] = column[c] if seen else float32(0.0)
+            unpack(t, cb, kv_h, last, col_row, col_host, col_start, pool_ka, pool_kb, pool_va, pool_vb,
+                   host_ka, host_kb, host_va, host_vb, kp, v_s, column)
             cuda.syncthreads()
 
             # Scores, a register tile: RM q values and CPT K values per j, RM * CPT products.
