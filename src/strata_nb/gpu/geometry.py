@@ -40,6 +40,7 @@ EXPERT_DOWN_WARPS = on_gpu(8, simulator=1)  # the fast expert_down's warps a blo
 # ---- attention: kernels/attention/ -----------------------------------------------------
 PROMPT_TILE_ROWS = on_gpu(48, simulator=12)  # query rows of a prompt tile
 PROMPT_ROW_GROUPS = on_gpu(8, simulator=2)  # thread rows of a prompt tile
+PROMPT_MMA_WARPS = on_gpu(4, simulator=1)  # warps of the tensor-core prompt kernel's block, 16 rows each
 PROMPT_BLOCKS_PER_SPLIT = on_gpu(4, simulator=64)  # selected blocks per prompt thread block, at least
 PROMPT_ALONE_BLOCKS_PER_SPLIT = on_gpu(16, simulator=64)  # per prompt thread block, when rows stand alone
 COMBINE_GROUPS = on_gpu(16, simulator=1)  # thread rows of the combine kernel

@@ -17,6 +17,9 @@ so both versions return the same bits: a kernel's result under the simulator is 
 result it gives on the GPU. The fallback's barrier is block-wide, which is why the
 contract asks every warp of the block, not just every lane of one warp, to call it.
 
+The same two reductions over a group of 4 lanes (lane // 4), `quad_sum` and `quad_max`,
+finish a row of a tensor-core product, which lies in one group (gpu/tensor_core.py).
+
 On the GPU there are single shuffles too: `warp_xor` (the value of the lane whose index
 differs in the given bits) and `warp_take` (the value of a given lane), for code that
 moves values between lanes itself (fwht64_lanes, quantize_q4_0_warp). They have no
@@ -66,6 +69,18 @@ if not SIMULATED:
         return x
 
     @cuda.jit(device=True)
+    def quad_sum(x):
+        """x: this lane's float32 -> the sum over its group of 4 lanes (lane // 4), in each."""
+        x += cuda.shfl_xor_sync(FULL_MASK, x, 1)
+        return x + cuda.shfl_xor_sync(FULL_MASK, x, 2)
+
+    @cuda.jit(device=True)
+    def quad_max(x):
+        """x: this lane's float32 -> the max over its group of 4 lanes, in each."""
+        x = max(x, cuda.shfl_xor_sync(FULL_MASK, x, 1))
+        return max(x, cuda.shfl_xor_sync(FULL_MASK, x, 2))
+
+    @cuda.jit(device=True)
     def warp_xor(x, offset):
         """x: this lane's float32 -> the x of lane `lane ^ offset`, in this lane."""
         return cuda.shfl_xor_sync(FULL_MASK, x, offset)
@@ -111,6 +126,19 @@ else:
     @cuda.jit(device=True)
     def warp_max(x):
         return exchange(x).max()  # max is exact: any order gives the same value
+
+    @cuda.jit(device=True)
+    def quad_sum(x):
+        lanes = exchange(x)
+        t = cuda.threadIdx.x + cuda.blockDim.x * (cuda.threadIdx.y + cuda.blockDim.y * cuda.threadIdx.z)
+        group = lanes[t % WARP - t % 4:][:4]
+        return (group[0] + group[1]) + (group[2] + group[3])  # the shuffles' order; a + b == b + a
+
+    @cuda.jit(device=True)
+    def quad_max(x):
+        lanes = exchange(x)
+        t = cuda.threadIdx.x + cuda.blockDim.x * (cuda.threadIdx.y + cuda.blockDim.y * cuda.threadIdx.z)
+        return lanes[t % WARP - t % 4:][:4].max()
 # --8<-- [end:warp_reduce]
 
 

@@ -47,7 +47,8 @@ import numpy as np
 
 from strata_nb.gpu.geometry import COMBINE_GROUPS
 from strata_nb.gpu.launch import DeviceArgs, expect, expect_pool, host_or_absent, view_bytes
-from strata_nb.kernels.attention.attention_prefill import MAX_TILE_ROWS, TILE_VALUES, attention_prompt, tile_for
+from strata_nb.kernels.attention import attention_prefill_mma as mma_prompt
+from strata_nb.kernels.attention.attention_prefill import attention_prompt, most_queries, tile_for
 from strata_nb.kernels.attention.attention_step import MAX_HEAD_DIM, attention_step, attention_step1
 from strata_nb.kernels.kv.hadamard import N as HADAMARD_N
 from strata_nb.kernels.kv.hadamard import hadamard_ref
@@ -180,7 +181,7 @@ def ordered_rows(blocks: np.ndarray) -> bool:
 def attention(fmt, q, q_pos, blocks, page_table, pool, host, out, rotate_out: bool = False,
               per_split: int | None = None, combine_groups: int = COMBINE_GROUPS, tile: int | None = None,
               ordered: bool | None = None, plain: bool = False, rows_alone: bool = False,
-              merge_group: int | None = None):
+              merge_group: int | None = None, mma: bool | None = None):
     """Like attention_ref, on the device; NumPy arguments are moved (out written back).
 
     One query per thread block (a decode step, a verify window, queries whose selections
@@ -198,7 +199,9 @@ def attention(fmt, q, q_pos, blocks, page_table, pool, host, out, rotate_out: bo
     turns the shortcut off. rows_alone: a prompt chunk's query gets the same bits
     whatever chunk it comes in, and however far the shared row of blocks reaches
     (attention_prompt says how). merge_group: the step kernel's splits per merge group
-    (attention_step.merge_group: None = the environment's, 0 = one merge)."""
+    (attention_step.merge_group: None = the environment's, 0 = one merge). mma: a prompt
+    chunk's tiles run the tensor-core kernel (attention_prefill_mma.py) instead; None =
+    where STRATA_NB_PROMPT_MMA=1 asks for it and it can run, True = it must."""
     assert not plain or per_split is None, "the plain kernel has no splits"
     check_format(fmt, FORMATS)
     expect("q", q, np.float32, (None, None, None))
@@ -213,11 +216,14 @@ def attention(fmt, q, q_pos, blocks, page_table, pool, host, out, rotate_out: bo
     assert n_heads % n_kv == 0, f"{n_heads} query heads do not share {n_kv} KV heads evenly"
     group = n_heads // n_kv
     assert head_dim <= MAX_HEAD_DIM, f"head_dim {head_dim} > {MAX_HEAD_DIM}, the shared tiles' width"
-    assert group <= MAX_TILE_ROWS and group * head_dim <= TILE_VALUES, \
-        f"{group} query heads of {head_dim} per KV head do not fit the shared rows"
+    if mma is None:
+        mma = mma_prompt.enabled() and not mma_prompt.usable(head_dim)
+    assert not mma or not mma_prompt.usable(head_dim), f"no tensor-core prompt kernel: {mma_prompt.usable(head_dim)}"
+    most = mma_prompt.most_queries(group) if mma else most_queries(group, head_dim)
+    assert most >= 1, f"{group} query heads of {head_dim} per KV head do not fit the shared rows"
     assert not rotate_out or head_dim % HADAMARD_N == 0, f"head_dim {head_dim} is not a multiple of {HADAMARD_N}"
-    tile = 1 if plain else (tile_for(blocks, group, head_dim, n_q) if tile is None else tile)
-    assert 1 <= tile * group <= MAX_TILE_ROWS and tile * group * head_dim <= TILE_VALUES, f"tile {tile} too large"
+    tile = 1 if plain else (tile_for(blocks, group, head_dim, n_q, most) if tile is None else tile)
+    assert 1 <= tile <= most, f"tile {tile} too large: a thread block takes {most} queries"
     for spec in specs:
         expect_pool(spec.field, pool[spec.field], spec, n_kv)
     host = {s.field: host_or_absent(f"host {s.field}", (host or {}).get(s.field, np.empty(0)), s, n_kv)
@@ -245,5 +251,6 @@ def attention(fmt, q, q_pos, blocks, page_table, pool, host, out, rotate_out: bo
                 attention_step(fmt, n_kv, args, sides, dev.write(out), rotate_out, per_split, bool(ordered),
                                merge_group)
             return
+        kernel = (mma_prompt.MMA_KERNELS[fmt, head_dim], mma_prompt.MMA_THREADS) if mma else (None, None)
         attention_prompt(fmt, n_kv, args, sides, dev.write(out), rotate_out, per_split, combine_groups, tile,
-                         rows_alone)
+                         rows_alone, *kernel)

@@ -360,12 +360,18 @@ def attention_combine_kernel(part_m, part_l, part_acc,  # as attention_kernel wr
 # --8<-- [end:attention_kernel]
 
 
-def tile_for(blocks, group: int, head_dim: int, n_q: int | None = None) -> int:
+def most_queries(group: int, head_dim: int) -> int:
+    """Queries a thread block of the prompt kernel takes, group query heads each."""
+    return min(MAX_TILE_ROWS // group, TILE_VALUES // (group * head_dim))
+
+
+def tile_for(blocks, group: int, head_dim: int, n_q: int | None = None, most: int | None = None) -> int:
     """Queries per thread block, for n_q queries (default: blocks' rows): as many as the
-    shared rows hold, when every tile's queries agree on each column of `blocks` (a block
-    or -1, as all_blocks_upto's rows do; a (1, S) selection is every query's); otherwise,
-    or when a per-query `blocks` is in device memory, 1."""
-    most = min(MAX_TILE_ROWS // group, TILE_VALUES // (group * head_dim))
+    kernel's tile holds (most: default this file's kernel's), when every tile's queries
+    agree on each column of `blocks` (a block or -1, as all_blocks_upto's rows do; a (1, S)
+    selection is every query's); otherwise, or when a per-query `blocks` is in device
+    memory, 1."""
+    most = most_queries(group, head_dim) if most is None else most
     n_q = blocks.shape[0] if n_q is None else n_q
     if n_q < 2 or most < 2:
         return 1
@@ -384,11 +390,13 @@ def tile_for(blocks, group: int, head_dim: int, n_q: int | None = None) -> int:
 
 # --8<-- [start:attention_prompt]
 def attention_prompt(fmt, n_kv, args, sides, out, rotate_out: bool, per_split: int | None, combine_groups: int,
-                     tile: int, rows_alone: bool = False):
+                     tile: int, rows_alone: bool = False, kernel=None, threads: int | None = None):
     """Launch the prompt kernel and the combine; attention() has checked the arrays and
     moved them. args: (q, q_pos, blocks, page_table, scale), sides: the eight pool and
     host arrays (attention.py: side_arrays), out: the device output. per_split None = a
-    few waves of thread blocks in all, in whole rounds.
+    few waves of thread blocks in all, in whole rounds. kernel, threads: another kernel
+    of the same arguments and grid to run (attention_prefill_mma.py's), and its block's
+    threads; None = this file's.
 
     rows_alone: each query's output must not depend on the chunk it came in. The splits
     are then ALONE_BLOCKS_PER_SPLIT blocks (or per_split) from block 0, however far the row
@@ -413,7 +421,9 @@ def attention_prompt(fmt, n_kv, args, sides, out, rotate_out: bool, per_split: i
     part_m = device_empty((n_q, n_heads, n_splits), np.float32)
     part_l = device_empty((n_q, n_heads, n_splits), np.float32)
     part_acc = device_empty((n_q, n_heads, n_splits, head_dim), np.float32)
-    ATTENTION_KERNELS[fmt, head_dim][(-(-n_q // tile), n_kv, n_splits), THREADS, stream()](
+    if kernel is None:
+        kernel, threads = ATTENTION_KERNELS[fmt, head_dim], THREADS
+    kernel[(-(-n_q // tile), n_kv, n_splits), threads, stream()](
         *args, np.int32(per_split), np.int32(tile), *sides, part_m, part_l, part_acc)
     mixed = device_empty(out.shape, np.float32) if rotate_out else out
     attention_combine_kernel[(n_q, n_heads), (head_dim, combine_groups), stream()](

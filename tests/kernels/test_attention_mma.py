@@ -1,0 +1,175 @@
+"""Tensor cores (gpu/tensor_core.py) and the prompt kernel built on them
+(attention_prefill_mma.py): the fragment table against a plain matrix product, one warp's
+product in a kernel, the reductions over a group of 4 lanes, then the kernel against the
+reference and its rows standing alone. Under the simulator the product is emulated from
+the same table; on a GPU it is the mma.sync instruction, so the same tests check the
+table against the hardware."""
+import numpy as np
+import pytest
+from numba import cuda
+
+from attention_cases import HEAD_DIM, N_HEADS, N_KV, PAGE_TABLE, WRITTEN, filled_cache, run
+from strata_nb.gpu.reduce import quad_max, quad_sum
+from strata_nb.gpu.tensor_core import PLACES, TILE_K, TILE_M, TILE_N, fragment_places, mma_f32, mma_ref
+from strata_nb.kernels.attention import attention_prefill, attention_prefill_mma as mma_prompt
+from strata_nb.kernels.attention.attention import ATOL, RTOL, attention, attention_ref
+from strata_nb.kv_layout import all_blocks_upto, shared_blocks_upto
+
+
+def fragments_of(a, b, c):
+    """(32, 10): each lane's a0..a3, b0, b1, c0..c3 of A (16 x 8), B (8 x 8), C (16 x 8)."""
+    return np.array([[a[p] for p in places["a"]] + [b[p] for p in places["b"]] + [c[p] for p in places["c"]]
+                     for places in PLACES], np.float32)
+
+
+def matrix_of(d_fragments):
+    """(32, 4) lanes' d0..d3 -> D (16 x 8)."""
+    d = np.full((TILE_M, TILE_N), np.nan, np.float32)
+    for places, values in zip(PLACES, d_fragments):
+        for p, v in zip(places["c"], values):
+            d[p] = v
+    return d
+
+
+def operands(seed=0):
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((TILE_M, TILE_K), np.float32), rng.standard_normal((TILE_K, TILE_N), np.float32),
+            rng.standard_normal((TILE_M, TILE_N), np.float32))
+
+
+def test_the_fragments_place_every_value_once():
+    """The PTX manual's table for m16n8k8: 32 lanes x 4 registers cover A's 16 x 8 and C's
+    16 x 8, 32 x 2 cover B's 8 x 8, each place once; a row of C lies in one group of 4 lanes."""
+    for name, shape in (("a", (TILE_M, TILE_K)), ("b", (TILE_K, TILE_N)), ("c", (TILE_M, TILE_N))):
+        places = [p for lane in range(32) for p in fragment_places(lane)[name]]
+        assert sorted(places) == [(r, c) for r in range(shape[0]) for c in range(shape[1])], name
+    for r in range(TILE_M):
+        assert {lane // 4 for lane in range(32) for p in fragment_places(lane)["c"] if p[0] == r} == {r % 8}
+
+
+def test_mma_ref_is_the_matrix_product():
+    a, b, c = operands()
+    want = (a.astype(np.float64) @ b + c).astype(np.float32)
+    assert np.array_equal(matrix_of(mma_ref(fragments_of(a, b, c))), want)
+    # the table matters: B read as if transposed is another product
+    assert not np.allclose(matrix_of(mma_ref(fragments_of(a, b.T.copy(), c))), want, atol=1e-3)
+
+
+@cuda.jit
+def product_kernel(fragments, out):
+    t = cuda.threadIdx.x
+    f = fragments[t % 32]
+    d0, d1, d2, d3 = mma_f32(f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7], f[8], f[9])
+    out[t, 0], out[t, 1], out[t, 2], out[t, 3] = d0, d1, d2, d3
+
+
+def test_one_warp_product_in_a_kernel_to_float32_precision():
+    """mma_f32 in a kernel, two warps each computing the same product: D = A B + C within
+    float32's precision of the float64 product (on a GPU, three TF32 products; one would
+    miss by ~1e-3)."""
+    a, b, c = operands(1)
+    a[3] *= 1000  # a row of large values: the split keeps their low bits
+    out = np.zeros((64, 4), np.float32)
+    product_kernel[1, 64](fragments_of(a, b, c), out)
+    want = a.astype(np.float64) @ b + c
+    for w in range(2):
+        np.testing.assert_allclose(matrix_of(out[32 * w:32 * (w + 1)]), want, rtol=2e-6,
+                                   atol=2e-6 * np.abs(a).max() * np.abs(b).max())
+
+
+@cuda.jit
+def quad_kernel(values, sums, maxes):
+    t = cuda.threadIdx.x
+    sums[t] = quad_sum(values[t])
+    maxes[t] = quad_max(values[t])
+
+
+def test_quad_reductions_give_each_group_its_own():
+    values = np.random.default_rng(2).standard_normal(64).astype(np.float32)
+    sums, maxes = np.zeros(64, np.float32), np.zeros(64, np.float32)
+    quad_kernel[1, 64](values, sums, maxes)
+    groups = values.reshape(16, 4)
+    want = (groups[:, 0] + groups[:, 1]) + (groups[:, 2] + groups[:, 3])  # the shuffles' order
+    assert np.array_equal(sums, np.repeat(want, 4))
+    assert np.array_equal(maxes, np.repeat(groups.max(axis=1), 4))
+
+
+@pytest.mark.parametrize("fmt, form", [("fp16", all_blocks_upto),
+                                       pytest.param("k8v4", shared_blocks_upto, marks=pytest.mark.slow)])
+def test_the_tensor_core_prompt_kernel_matches_the_reference(fmt, form):
+    """A prompt chunk's 13 queries in tiles of 5 (the last of 3), three splits of 2 blocks
+    merged by 4 combine rows: per-query rows (fp16) and one shared row (k8v4; 13 s under
+    the simulator, so in the slow tier: the rows-alone test reads a shared row of k8v4 in
+    the default one), blocks from the pool and from the host copy, garbage past the last
+    written cell."""
+    q_pos = np.arange(WRITTEN - 13, WRITTEN, dtype=np.int32)
+    q = np.random.default_rng(3).standard_normal((len(q_pos), N_HEADS, HEAD_DIM), np.float32)
+    assert mma_prompt.most_queries(N_HEADS // N_KV) >= 5
+    pool, host = filled_cache(fmt, PAGE_TABLE, n_slots=4)
+    args = (fmt, q, q_pos, form(q_pos), PAGE_TABLE, pool, host)
+    want = run(attention_ref, *args)
+    got = run(lambda *a: attention(*a, per_split=2, combine_groups=4, tile=5, mma=True), *args)
+    np.testing.assert_allclose(got, want, atol=ATOL, rtol=RTOL)
+
+
+def test_rows_alone_on_tensor_cores(monkeypatch):
+    """A query's bits do not depend on its chunk (attention_prefill.attention_prompt's
+    rows_alone): 86..90 alone and as the last 5 of 78..90, splits of 4 blocks from block 0."""
+    monkeypatch.setattr(attention_prefill, "ALONE_BLOCKS_PER_SPLIT", 4)
+    fmt = "k8v4"
+    pool, host = filled_cache(fmt, PAGE_TABLE, n_slots=4)
+    q_pos = np.arange(78, 91, dtype=np.int32)
+    q = np.random.default_rng(5).standard_normal((len(q_pos), N_HEADS, HEAD_DIM), np.float32)
+    chunk = run(lambda *a: attention(*a, rows_alone=True, mma=True), fmt, q, q_pos, shared_blocks_upto(q_pos),
+                PAGE_TABLE, pool, host)[8:]
+    five = run(lambda *a: attention(*a, rows_alone=True, mma=True), fmt, q[8:], q_pos[8:],
+               shared_blocks_upto(q_pos[8:]), PAGE_TABLE, pool, host)
+    np.testing.assert_array_equal(chunk, five)
+
+
+def test_which_prompt_kernel_runs(monkeypatch):
+    """STRATA_NB_PROMPT_MMA=1 picks the tensor-core kernel where it is built; elsewhere the
+    plain one runs, and asking for it outright is an error that says why."""
+    assert mma_prompt.usable(HEAD_DIM) == ""
+    assert "head_dim 128" in mma_prompt.usable(128)
+    q_pos = np.arange(WRITTEN - 3, WRITTEN, dtype=np.int32)
+    q = np.random.default_rng(6).standard_normal((3, N_HEADS, HEAD_DIM), np.float32)
+    pool, host = filled_cache("fp16", PAGE_TABLE, n_slots=4)
+    args = ("fp16", q, q_pos, all_blocks_upto(q_pos), PAGE_TABLE, pool, host)
+    runs = []
+    monkeypatch.setattr(mma_prompt, "MMA_KERNELS", {k: _Recording(v, runs) for k, v in mma_prompt.MMA_KERNELS.items()})
+    run(attention, *args)
+    assert runs == []  # off by default
+    monkeypatch.setattr(mma_prompt, "_ON", True)
+    run(attention, *args)
+    assert runs == [("fp16", HEAD_DIM)]
+    monkeypatch.setattr(mma_prompt, "MMA_HEAD_DIMS", ())
+    with pytest.raises(AssertionError, match="no tensor-core prompt kernel"):
+        run(lambda *a: attention(*a, mma=True), *args)
+
+
+class _Recording:
+    """A kernel that notes each launch and runs it."""
+
+    def __init__(self, kernel, runs):
+        self.kernel, self.runs = kernel, runs
+
+    def __getitem__(self, config):
+        launch = self.kernel[config]
+
+        def call(*args):
+            self.runs.append(next(k for k, v in mma_prompt.MMA_KERNELS.items() if v is self))
+            return launch(*args)
+        return call
+
+
+def test_the_backends_say_which_prompt_kernel_runs(monkeypatch):
+    """What `run --stats` and the bench JSON report (`prompt_attention`)."""
+    from strata_nb.backend.cuda_backend import CudaBackend
+    from strata_nb.backend.numpy_backend import NumpyBackend
+
+    assert CudaBackend().prompt_attention(HEAD_DIM) == "plain"
+    monkeypatch.setattr(mma_prompt, "_ON", True)
+    assert CudaBackend().prompt_attention(HEAD_DIM) == "tensor cores"
+    assert CudaBackend().prompt_attention(128) == "plain (no tensor cores: head_dim 128 is not one of (64,))"
+    assert NumpyBackend().prompt_attention(HEAD_DIM) == "reference"
