@@ -132,6 +132,17 @@ class CudaBackend:
         why = fast_launch.dependent_launch_support()
         return "on" if not why else f"unavailable: {why}"
 
+    def prompt_attention(self, head_dim: int) -> str:
+        """Which kernel a prompt chunk's attention runs: 'tensor cores'
+        (attention_prefill_mma.py, with STRATA_NB_PROMPT_MMA=1), else 'plain'
+        (attention_prefill.py), with why when the variable asked for tensor cores."""
+        from ..kernels.attention import attention_prefill_mma
+
+        if not attention_prefill_mma.enabled():
+            return "plain"
+        why = attention_prefill_mma.usable(head_dim)
+        return f"plain (no tensor cores: {why})" if why else "tensor cores"
+
     def host_array(self, shape, dtype):
         """Pinned, device-mapped host memory: the authoritative host copy."""
         a = cuda.mapped_array(shape, dtype)

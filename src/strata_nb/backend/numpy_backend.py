@@ -59,6 +59,10 @@ class NumpyBackend:
         """How the cuda backend launches its marked kernels (gpu/dependent_launch.py)."""
         return "no GPU"
 
+    def prompt_attention(self, head_dim: int) -> str:
+        """Which kernel a prompt chunk's attention runs on the cuda backend; here the reference."""
+        return "reference"
+
     def host_array(self, shape, dtype):
         """An array for the host copy (pinned and device-mapped on the cuda backend)."""
         return np.zeros(shape, dtype)
