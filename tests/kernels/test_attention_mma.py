@@ -173,3 +173,27 @@ def test_the_backends_say_which_prompt_kernel_runs(monkeypatch):
     assert CudaBackend().prompt_attention(HEAD_DIM) == "tensor cores"
     assert CudaBackend().prompt_attention(128) == "plain (no tensor cores: head_dim 128 is not one of (64,))"
     assert NumpyBackend().prompt_attention(HEAD_DIM) == "reference"
+
+
+@pytest.mark.sim_engine  # the tiny model's 10-token prefill on both engines: ~9 s under the simulator
+def test_a_prefill_on_tensor_cores_matches_the_numpy_engine(tiny_model, monkeypatch):
+    """With STRATA_NB_PROMPT_MMA=1 the cuda engine's prompt attention runs the tensor-core
+    kernel (2 tiles of the tiny model's 10 queries x 2 heads), and every prompt position's
+    logits stay within test_cuda_backend_forward's bound of the numpy engine's."""
+    from test_cuda_backend_forward import PROMPT, assert_logits_close
+    from strata_nb.backend.cuda_backend import CudaBackend
+    from strata_nb.backend.numpy_backend import NumpyBackend
+    from strata_nb.engine.engine import Engine
+    from strata_nb.model.gguf_file import GGUFModel
+    from strata_nb.settings import Settings
+
+    runs = []
+    monkeypatch.setattr(mma_prompt, "_ON", True)
+    monkeypatch.setattr(mma_prompt, "MMA_KERNELS", {k: _Recording(v, runs) for k, v in mma_prompt.MMA_KERNELS.items()})
+    settings = Settings(model=tiny_model, kv="fp16", max_context=64, device="cpu")
+    model = GGUFModel(tiny_model)
+    want = Engine(settings, model, NumpyBackend()).score(PROMPT)
+    got = Engine(settings, model, CudaBackend()).score(PROMPT)
+    assert set(runs) == {("fp16", 64)} and len(runs) == 2  # one launch per layer
+    for row_got, row_want in zip(got, want):
+        assert_logits_close(row_got, row_want)
