@@ -19,11 +19,11 @@ import numpy as np
 from numba import cuda
 
 from ..errors import StrataError
-from ..kernels.dense import embed, gguf_rows, matmul, matvec, residual, rmsnorm, rope, swiglu
+from ..kernels.dense import embed, gguf_rows, matmul, matmul_mma, matvec, residual, rmsnorm, rope, swiglu
 from ..kernels.experts.expert_down import expert_down
 from ..kernels.experts.expert_gate_up import ROUTED_EXPERTS, expert_gate_up, routed_expert_gate_up
 from ..kernels.experts.route import MAX_DIM, MAX_EXPERTS, MAX_USED, route
-from ..gpu import dependent_launch, fast_launch
+from ..gpu import dependent_launch, fast_launch, tensor_core
 from ..gpu.geometry import SIMULATED
 from ..gpu.launch import device_empty
 from ..model.dequant import dequantize
@@ -48,6 +48,7 @@ class CudaBackend:
     # costs ~0.2 ms of Python, and a chunk is ~400 launches, so chunks are long here
     prefill_chunk = 2048
     device = "cuda"
+    _mma: bool | None = None  # prompt matmuls on tensor cores: _tensor_cores() asks once
 
     def zeros(self, shape, dtype):
         return cuda.to_device(np.zeros(shape, dtype))
@@ -132,16 +133,19 @@ class CudaBackend:
         why = fast_launch.dependent_launch_support()
         return "on" if not why else f"unavailable: {why}"
 
-    def prompt_attention(self, head_dim: int) -> str:
-        """Which kernel a prompt chunk's attention runs: 'tensor cores'
-        (attention_prefill_mma.py, with STRATA_NB_PROMPT_MMA=1), else 'plain'
-        (attention_prefill.py), with why when the variable asked for tensor cores."""
+    def prompt_kernels(self, head_dim: int) -> str:
+        """What a prompt chunk's matmuls and attention run on: 'tensor cores'
+        (matmul_mma.py, attention_prefill_mma.py; STRATA_NB_PROMPT_MMA=1), else 'plain'
+        (matmul.py, attention_prefill.py), with why where the variable asked for tensor cores."""
         from ..kernels.attention import attention_prefill_mma
 
-        if not attention_prefill_mma.enabled():
+        if not tensor_core.enabled():
             return "plain"
+        why = tensor_core.available()
+        if why:
+            return f"plain (no tensor cores: {why})"
         why = attention_prefill_mma.usable(head_dim)
-        return f"plain (no tensor cores: {why})" if why else "tensor cores"
+        return f"tensor cores for the matmuls, plain attention ({why})" if why else "tensor cores"
 
     def host_array(self, shape, dtype):
         """Pinned, device-mapped host memory: the authoritative host copy."""
@@ -214,8 +218,19 @@ class CudaBackend:
         # x (n, in) float32, w (out, in) -> (n, out): matvec for a step or verify window,
         # the tiled matmul for a prompt chunk
         y = device_empty((x.shape[0], w.shape[0]), np.float32)
-        (matmul.matmul if self._tiled(x) else matvec.matvec)(x, w.raw, w.qtype, y)
+        if not self._tiled(x):
+            matvec.matvec(x, w.raw, w.qtype, y)
+        elif self._tensor_cores():  # STRATA_NB_PROMPT_MMA=1
+            matmul_mma.matmul_mma(x, w.raw, w.qtype, y)
+        else:
+            matmul.matmul(x, w.raw, w.qtype, y)
         return y
+
+    def _tensor_cores(self) -> bool:
+        """Whether prompt chunks' matmuls run on tensor cores (gpu/tensor_core.py), asked once."""
+        if self._mma is None:
+            self._mma = tensor_core.enabled() and not tensor_core.available()
+        return self._mma
 
     def rmsnorm(self, x, w, eps: float):
         out = device_empty(x.shape, np.float32)

@@ -59,8 +59,8 @@ class NumpyBackend:
         """How the cuda backend launches its marked kernels (gpu/dependent_launch.py)."""
         return "no GPU"
 
-    def prompt_attention(self, head_dim: int) -> str:
-        """Which kernel a prompt chunk's attention runs on the cuda backend; here the reference."""
+    def prompt_kernels(self, head_dim: int) -> str:
+        """What a prompt chunk's matmuls and attention run on the cuda backend; here the references."""
         return "reference"
 
     def host_array(self, shape, dtype):

@@ -236,12 +236,12 @@ def bench(base, text: str, formats: list[str], streamed_formats: list[str], dept
               "dependent_launches": base.be.dependent_launches(),
               # the step attention's splits per merge group (attention_step.py), 0 = one merge
               "merge_group": merge_group() if base.be.name == "cuda" else None,
-              # the prompt attention's kernel: plain or on tensor cores (attention_prefill_mma.py)
-              "prompt_attention": base.be.prompt_attention(base.config.head_dim)}
+              # prompt chunks' matmuls and attention: plain or on tensor cores (gpu/tensor_core.py)
+              "prompt_kernels": base.be.prompt_kernels(base.config.head_dim)}
     if result["dependent_launches"] not in ("off", "no GPU"):
         log(f"dependent launches: {result['dependent_launches']}")
-    if result["prompt_attention"] not in ("plain", "reference"):
-        log(f"prompt attention: {result['prompt_attention']}")
+    if result["prompt_kernels"] not in ("plain", "reference"):
+        log(f"prompt kernels: {result['prompt_kernels']}")
     if result["copy_gb_s"]:
         log(f"device copy bandwidth: {result['copy_gb_s']:,.0f} GB/s (read + write)")
     pool = checking.check_pool(workers=3) if check_n else None

@@ -27,6 +27,8 @@ MATMUL_TILE = on_gpu(64, simulator=16)  # the plain matmul: rows of W and rows o
 MATMUL_SIDE = on_gpu(16, simulator=8)  # the plain matmul's block is SIDE x SIDE threads
 MATMUL_W_THREADS = on_gpu(32, simulator=2)  # the fast matmul's threads along W's rows (4 rows each)
 MATMUL_X_THREADS = on_gpu(8, simulator=2)  # and along x's rows (8 rows each)
+MATMUL_MMA_W_THREADS = on_gpu(16, simulator=8)  # the tensor-core matmul's threads (4 rows of W, 8 of x each)
+MATMUL_MMA_X_THREADS = on_gpu(8, simulator=4)
 # shared tiles read 4 floats at a time: aligned to 16 bytes, or the compiler loads them one
 # by one (the simulator refuses an alignment, and needs none)
 VECTOR_ALIGN = on_gpu(16, simulator=None)

@@ -226,7 +226,9 @@ _CHILD = textwrap.dedent('''
         kernel = found[0]  # the same factory arguments: the same kernel, however often it was made
         for sig in sigs:
             try:
-                ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=(9, 0))
+                # launch bounds, where a kernel sets them, cap its registers as on the GPU
+                ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=(9, 0),
+                                          launch_bounds=kernel.targetoptions.get("launch_bounds"))
             except Exception as err:
                 failures.append(f"{module}.{qualname}{sig}: {type(err).__name__}: {str(err)[:300]}")
                 continue

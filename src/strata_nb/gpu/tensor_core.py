@@ -39,10 +39,14 @@ row's result never depends on the other rows): the products of two float32 value
 exact there, so the simulated D is the exact one rounded once. The GPU's three TF32
 products agree with it to float32's precision, not bit for bit.
 
-Needs compute capability 8.0 (`available`); the kernels that use it check first.
+Needs compute capability 8.0 (`available`); the kernels that use it check first. Prompt
+chunks use them (the matmul, kernels/dense/matmul_mma.py; the attention,
+kernels/attention/attention_prefill_mma.py) when `STRATA_NB_PROMPT_MMA=1` (`enabled`):
+off until measured on a GPU.
 """
 from __future__ import annotations
 
+import os
 import threading
 
 import numpy as np
@@ -79,6 +83,15 @@ def mma_ref(fragments: np.ndarray) -> np.ndarray:
     for k in range(TILE_K):  # elementwise, one k at a time: each value of D summed the same way
         d += a[:, k, None] * b[None, k, :]
     return d[_INDEX["c"]].astype(np.float32)
+
+
+_ON = os.environ.get("STRATA_NB_PROMPT_MMA", "0") == "1"
+
+
+def enabled() -> bool:
+    """Whether prompt chunks run their matmuls and attention on tensor cores where they
+    can (STRATA_NB_PROMPT_MMA=1)."""
+    return _ON
 
 
 def available(device=None) -> str:

@@ -47,6 +47,7 @@ import numpy as np
 
 from strata_nb.gpu.geometry import COMBINE_GROUPS
 from strata_nb.gpu.launch import DeviceArgs, expect, expect_pool, host_or_absent, view_bytes
+from strata_nb.gpu import tensor_core
 from strata_nb.kernels.attention import attention_prefill_mma as mma_prompt
 from strata_nb.kernels.attention.attention_prefill import attention_prompt, most_queries, tile_for
 from strata_nb.kernels.attention.attention_step import MAX_HEAD_DIM, attention_step, attention_step1
@@ -217,7 +218,7 @@ def attention(fmt, q, q_pos, blocks, page_table, pool, host, out, rotate_out: bo
     group = n_heads // n_kv
     assert head_dim <= MAX_HEAD_DIM, f"head_dim {head_dim} > {MAX_HEAD_DIM}, the shared tiles' width"
     if mma is None:
-        mma = mma_prompt.enabled() and not mma_prompt.usable(head_dim)
+        mma = tensor_core.enabled() and not mma_prompt.usable(head_dim)
     assert not mma or not mma_prompt.usable(head_dim), f"no tensor-core prompt kernel: {mma_prompt.usable(head_dim)}"
     most = mma_prompt.most_queries(group) if mma else most_queries(group, head_dim)
     assert most >= 1, f"{group} query heads of {head_dim} per KV head do not fit the shared rows"

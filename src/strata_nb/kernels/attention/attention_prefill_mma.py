@@ -33,7 +33,6 @@ head_dim 64 (MMA_HEAD_DIMS, the default model's); others run the plain kernel.
 from __future__ import annotations
 
 import math
-import os
 
 from numba import cuda, float32, int32, uint64
 
@@ -54,15 +53,6 @@ COLUMN_HALVES = 2 * 4  # a round's columns, by parity (as attention_prefill.py's
 QUERY_HALVES = 2 * MMA_ROWS
 K_PAD, V_PAD = 4, 8  # floats added to each row of the K (and P) tile and of the V tile
 U2, U4 = uint64(2), uint64(4)
-
-_ON = os.environ.get("STRATA_NB_PROMPT_MMA", "0") == "1"
-
-
-def enabled() -> bool:
-    """Whether prompt chunks use this kernel where they can (STRATA_NB_PROMPT_MMA=1; off
-    until measured on a GPU)."""
-    return _ON
-
 
 def usable(head_dim: int) -> str:
     """'' when this kernel can run prompt attention of head_dim here, else why not."""

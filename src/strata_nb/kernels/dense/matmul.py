@@ -7,8 +7,8 @@ matvec would read W n/8 times; here a thread block computes a tile of y (rows of
 against rows of x) and walks `in` one quantization block (32 values) at a time, so each
 weight is read from global memory once per tile of x rows, not once per row. Then the
 work is arithmetic: 2 n out in flops, which an H200's float32 units do at most at
-132 SMs x 128 lanes x 2 flops x 1.98 GHz = 67 TFLOP/s (Numba does not reach the tensor
-cores).
+132 SMs x 128 lanes x 2 flops x 1.98 GHz = 67 TFLOP/s. The tensor cores are faster
+still: matmul_mma.py is this file's fast kernel with its products there (opt-in).
 
 Two kernels, read in this order.
 
@@ -64,9 +64,6 @@ Tolerance: as matvec.py (`dot_tolerance`). Each output is a float32 sum of `in` 
 added one after another (the zeros add nothing), the reference's is in BLAS's order;
 both are within (in + 1) u sum_i |x_i w_i| of the exact value, so within
 2 (in + 1) u sum_i |x_i| |w_i| of each other.
-
-Known limit: float32 multiply-adds on the SMs' CUDA cores, far from the tensor cores
-(which Numba does not reach).
 """
 from __future__ import annotations
 
@@ -97,13 +94,23 @@ W_TILE_ROWS, X_TILE_ROWS = W_THREADS * W_REGS, X_THREADS * X_REGS  # 128 x 64 on
 FAST_THREADS = W_THREADS * X_THREADS  # 256 on a GPU
 W_PITCH, X_PITCH = W_TILE_ROWS + 4, X_TILE_ROWS + 4  # a shared row: the tile's rows, 4 pad values
 RUNS = QK // 4  # a block's 32 values of k as 8 runs of 4 (the loop's trips)
-# fetch: a pass of the block over the tile takes W_STEP rows of W, one part (8 values)
-# from each of 4 threads, and X_STEP rows of x, X_LANES neighbouring values from each of
-# X_LANES threads (8 threads = 32 bytes on a GPU)
-X_LANES = min(8, FAST_THREADS)
-W_STEP, X_STEP = FAST_THREADS // PARTS, FAST_THREADS // X_LANES
-W_PASSES, X_PASSES = W_TILE_ROWS // W_STEP, X_TILE_ROWS // X_STEP  # 2 and 2 on a GPU
-W_NEXT, X_NEXT = W_PASSES * PART, X_PASSES * (QK // X_LANES)  # registers fetch fills: 16 and 8
+
+
+def loader_sizes(threads: int, w_rows: int, x_rows: int) -> tuple[int, ...]:
+    """How `threads` threads fetch a tile of w_rows of W and x_rows of x (make_tile_loader):
+    a pass over the tile takes W_STEP rows of W, one part (8 values) from each of 4 threads,
+    and X_STEP rows of x, X_LANES neighbouring values from each of X_LANES threads (8
+    threads = 32 bytes). -> (X_LANES, W_STEP, X_STEP, W_PASSES, X_PASSES, W_NEXT, X_NEXT),
+    the last two the registers fetch fills."""
+    x_lanes = min(8, threads)
+    w_step, x_step = threads // PARTS, threads // x_lanes
+    assert w_rows % w_step == 0 and x_rows % x_step == 0, "every thread fetches as much"
+    w_passes, x_passes = w_rows // w_step, x_rows // x_step
+    return x_lanes, w_step, x_step, w_passes, x_passes, w_passes * PART, x_passes * (QK // x_lanes)
+
+
+# the fast kernel's: 2 passes of W and 2 of x on a GPU, registers 16 and 8
+X_LANES, W_STEP, X_STEP, W_PASSES, X_PASSES, W_NEXT, X_NEXT = loader_sizes(FAST_THREADS, W_TILE_ROWS, X_TILE_ROWS)
 # a warp: LANES_W threads along W x LANES_X along x (8 x 4 on a GPU), WARPS_W warps along W
 LANES_W = min(8, W_THREADS)
 LANES_X = min(32 // LANES_W, X_THREADS)
@@ -111,7 +118,6 @@ WARP_LANES, WARPS_W = LANES_W * LANES_X, W_THREADS // LANES_W
 WARP_SHIFT, WARPS_W_SHIFT, LANES_W_SHIFT = (v.bit_length() - 1 for v in (WARP_LANES, WARPS_W, LANES_W))
 assert W_REGS % 4 == 0 and X_REGS % 4 == 0, "a thread's rows are runs of 4"
 assert all(v & (v - 1) == 0 for v in (W_THREADS, X_THREADS, LANES_W, WARP_LANES, WARPS_W)), "powers of 2"
-assert W_TILE_ROWS % W_STEP == 0 and X_TILE_ROWS % X_STEP == 0, "every thread fetches as much"
 
 
 # --8<-- [start:matmul_ref]
@@ -221,7 +227,11 @@ def thread_place(t):
     return tw, tx
 
 
-def make_matmul_kernel(part, nibbles):
+def make_tile_loader(part, nibbles, threads, w_rows, x_rows):
+    """fetch and stash for a block of `threads` threads and a tile of w_rows of W and x_rows
+    of x, for one weight type: the fast kernel's here, and matmul_mma.py's."""
+    X_LANES, W_STEP, X_STEP, W_PASSES, X_PASSES, _, _ = loader_sizes(threads, w_rows, x_rows)
+
     @cuda.jit(device=True)
     def fetch(x, a, b, blk, t, o0, i0,
               w_next,  # (W_NEXT,) float32, written: the thread's weight parts of block blk, dequantized
@@ -264,6 +274,12 @@ def make_matmul_kernel(part, nibbles):
             for d in range(QK // X_LANES):
                 k = X_LANES * d + t % X_LANES
                 x_tile[k // 4, k % 4, i] = x_next[QK // X_LANES * u + d]
+
+    return fetch, stash
+
+
+def make_matmul_kernel(part, nibbles):
+    fetch, stash = make_tile_loader(part, nibbles, FAST_THREADS, W_TILE_ROWS, X_TILE_ROWS)
 
     @cuda.jit(device=True)
     def multiply(w_k,  # (W_PITCH,) float32 shared: value k of the tile's rows of W

@@ -1,19 +1,26 @@
-"""Tensor cores (gpu/tensor_core.py) and the prompt kernel built on them
-(attention_prefill_mma.py): the fragment table against a plain matrix product, one warp's
-product in a kernel, the reductions over a group of 4 lanes, then the kernel against the
-reference and its rows standing alone. Under the simulator the product is emulated from
-the same table; on a GPU it is the mma.sync instruction, so the same tests check the
-table against the hardware."""
+"""Tensor cores (gpu/tensor_core.py) and the prompt kernels built on them (matmul_mma.py,
+attention_prefill_mma.py): the fragment table against a plain matrix product, one warp's
+product in a kernel, the reductions over a group of 4 lanes, then each kernel against its
+reference, the attention's rows standing alone, and which kernels a prompt chunk runs.
+Under the simulator the product is emulated from the same table; on a GPU it is the
+mma.sync instruction, so the same tests check the table against the hardware."""
 import numpy as np
 import pytest
 from numba import cuda
 
 from attention_cases import HEAD_DIM, N_HEADS, N_KV, PAGE_TABLE, WRITTEN, filled_cache, run
 from strata_nb.gpu.reduce import quad_max, quad_sum
+from conftest import ON_GPU
+from strata_nb.gpu import tensor_core
 from strata_nb.gpu.tensor_core import PLACES, TILE_K, TILE_M, TILE_N, fragment_places, mma_f32, mma_ref
 from strata_nb.kernels.attention import attention_prefill, attention_prefill_mma as mma_prompt
 from strata_nb.kernels.attention.attention import ATOL, RTOL, attention, attention_ref
+from strata_nb.kernels.dense.matmul import matmul_ref
+from strata_nb.kernels.dense.matmul_mma import matmul_mma
+from strata_nb.kernels.dense.matvec import dot_tolerance
 from strata_nb.kv_layout import all_blocks_upto, shared_blocks_upto
+from strata_nb.model.dequant import dequantize
+from test_dense_kernels import MATMUL_CASES, assert_within, quantized, within
 
 
 def fragments_of(a, b, c):
@@ -94,6 +101,35 @@ def test_quad_reductions_give_each_group_its_own():
     assert np.array_equal(maxes, np.repeat(groups.max(axis=1), 4))
 
 
+@pytest.mark.parametrize("qtype, n, shape", MATMUL_CASES)
+def test_the_tensor_core_matmul_matches_the_reference(qtype, n, shape):
+    """Every weight type, tiles of W and of x cut short (64 x 64 on a GPU, 32 x 32 under the
+    simulator), within the fast kernel's bound (matvec.dot_tolerance)."""
+    rng = np.random.default_rng(n)
+    raw = quantized(rng, qtype, shape)
+    x = rng.standard_normal((n, shape[1])).astype(np.float32)
+    want, got = np.zeros((n, shape[0]), np.float32), np.full((n, shape[0]), np.nan, np.float32)
+    matmul_ref(x, raw, qtype, want)
+    matmul_mma(x, raw, qtype, got)
+    assert_within(got, want, dot_tolerance(x, dequantize(raw, qtype)))
+
+
+@pytest.mark.skipif(ON_GPU, reason="the GPU's tensor cores cannot be handed a wrong table")
+def test_a_wrong_fragment_table_is_caught(monkeypatch):
+    """Negative control: B's places read transposed (row t, column g taken as row g,
+    column t) in the simulator's product, and the matmul misses the tolerance."""
+    qtype, n, shape = MATMUL_CASES[0]
+    rng = np.random.default_rng(8)
+    raw = quantized(rng, qtype, shape)
+    x = rng.standard_normal((n, shape[1])).astype(np.float32)
+    want, got = np.zeros((n, shape[0]), np.float32), np.full((n, shape[0]), np.nan, np.float32)
+    matmul_ref(x, raw, qtype, want)
+    rows, cols = tensor_core._INDEX["b"]
+    monkeypatch.setitem(tensor_core._INDEX, "b", (cols, rows))
+    matmul_mma(x, raw, qtype, got)
+    assert not within(got, want, dot_tolerance(x, dequantize(raw, qtype)))
+
+
 @pytest.mark.parametrize("fmt, form", [("fp16", all_blocks_upto),
                                        pytest.param("k8v4", shared_blocks_upto, marks=pytest.mark.slow)])
 def test_the_tensor_core_prompt_kernel_matches_the_reference(fmt, form):
@@ -140,7 +176,7 @@ def test_which_prompt_kernel_runs(monkeypatch):
     monkeypatch.setattr(mma_prompt, "MMA_KERNELS", {k: _Recording(v, runs) for k, v in mma_prompt.MMA_KERNELS.items()})
     run(attention, *args)
     assert runs == []  # off by default
-    monkeypatch.setattr(mma_prompt, "_ON", True)
+    monkeypatch.setattr(tensor_core, "_ON", True)
     run(attention, *args)
     assert runs == [("fp16", HEAD_DIM)]
     monkeypatch.setattr(mma_prompt, "MMA_HEAD_DIMS", ())
@@ -149,51 +185,58 @@ def test_which_prompt_kernel_runs(monkeypatch):
 
 
 class _Recording:
-    """A kernel that notes each launch and runs it."""
+    """A kernel that notes each launch (by its key in `table`) and runs it."""
 
-    def __init__(self, kernel, runs):
-        self.kernel, self.runs = kernel, runs
+    def __init__(self, kernel, runs, table=None):
+        self.kernel, self.runs, self.table = kernel, runs, table
 
     def __getitem__(self, config):
         launch = self.kernel[config]
 
         def call(*args):
-            self.runs.append(next(k for k, v in mma_prompt.MMA_KERNELS.items() if v is self))
+            table = mma_prompt.MMA_KERNELS if self.table is None else self.table
+            self.runs.append(next(k for k, v in table.items() if v is self or v is self.kernel))
             return launch(*args)
         return call
 
 
 def test_the_backends_say_which_prompt_kernel_runs(monkeypatch):
-    """What `run --stats` and the bench JSON report (`prompt_attention`)."""
+    """What `run --stats` and the bench JSON report (`prompt_kernels`)."""
     from strata_nb.backend.cuda_backend import CudaBackend
     from strata_nb.backend.numpy_backend import NumpyBackend
 
-    assert CudaBackend().prompt_attention(HEAD_DIM) == "plain"
-    monkeypatch.setattr(mma_prompt, "_ON", True)
-    assert CudaBackend().prompt_attention(HEAD_DIM) == "tensor cores"
-    assert CudaBackend().prompt_attention(128) == "plain (no tensor cores: head_dim 128 is not one of (64,))"
-    assert NumpyBackend().prompt_attention(HEAD_DIM) == "reference"
+    assert CudaBackend().prompt_kernels(HEAD_DIM) == "plain"
+    monkeypatch.setattr(tensor_core, "_ON", True)
+    assert CudaBackend().prompt_kernels(HEAD_DIM) == "tensor cores"
+    assert CudaBackend().prompt_kernels(128) == ("tensor cores for the matmuls, plain attention "
+                                                 "(head_dim 128 is not one of (64,))")
+    assert NumpyBackend().prompt_kernels(HEAD_DIM) == "reference"
 
 
 @pytest.mark.sim_engine  # the tiny model's 10-token prefill on both engines: ~9 s under the simulator
 def test_a_prefill_on_tensor_cores_matches_the_numpy_engine(tiny_model, monkeypatch):
-    """With STRATA_NB_PROMPT_MMA=1 the cuda engine's prompt attention runs the tensor-core
-    kernel (2 tiles of the tiny model's 10 queries x 2 heads), and every prompt position's
-    logits stay within test_cuda_backend_forward's bound of the numpy engine's."""
+    """With STRATA_NB_PROMPT_MMA=1 the cuda engine's prompt chunk runs its matmuls and its
+    attention on tensor cores (the attention in 2 tiles of the tiny model's 10 queries x 2
+    heads), and every prompt position's logits stay within test_cuda_backend_forward's
+    bound of the numpy engine's."""
     from test_cuda_backend_forward import PROMPT, assert_logits_close
     from strata_nb.backend.cuda_backend import CudaBackend
     from strata_nb.backend.numpy_backend import NumpyBackend
     from strata_nb.engine.engine import Engine
+    from strata_nb.kernels.dense import matmul_mma as mm
     from strata_nb.model.gguf_file import GGUFModel
     from strata_nb.settings import Settings
 
-    runs = []
-    monkeypatch.setattr(mma_prompt, "_ON", True)
+    runs, products = [], []
+    monkeypatch.setattr(tensor_core, "_ON", True)
     monkeypatch.setattr(mma_prompt, "MMA_KERNELS", {k: _Recording(v, runs) for k, v in mma_prompt.MMA_KERNELS.items()})
+    monkeypatch.setattr(mm, "MATMUL_MMA_KERNELS", {k: _Recording(v, products, mm.MATMUL_MMA_KERNELS)
+                                                   for k, v in mm.MATMUL_MMA_KERNELS.items()})
     settings = Settings(model=tiny_model, kv="fp16", max_context=64, device="cpu")
     model = GGUFModel(tiny_model)
     want = Engine(settings, model, NumpyBackend()).score(PROMPT)
     got = Engine(settings, model, CudaBackend()).score(PROMPT)
     assert set(runs) == {("fp16", 64)} and len(runs) == 2  # one launch per layer
+    assert {"Q4_1", "Q8_0"} <= set(products)  # the layers' matrices and the tied output head
     for row_got, row_want in zip(got, want):
         assert_logits_close(row_got, row_want)

@@ -1,0 +1,125 @@
+"""y = x @ W.T for a prompt chunk on tensor cores: matmul.py's fast kernel (read it first)
+with its multiply-adds done as warp-wide matrix products (gpu/tensor_core.py).
+
+What stays: a thread block per tile of rows of W x rows of x, walking `in` one
+quantization block (32 values) at a time, and the same fetch and stash
+(matmul.make_tile_loader): the next block's weights, dequantized, and values of x are in
+registers while this block multiplies, then written to the shared tiles k-major,
+[k // 4, k % 4, row].
+
+What changes: the tile is 64 x 64 on 128 threads (a warp, 32 x 32, under the simulator),
+and the block's 4 warps each own 32 rows of x x 32 rows of W of it (2 along each), as
+2 x 4 products of 16 x 8 (tensor_core's fragments, g = lane // 4, t = lane % 4). Per 8 values of k a warp loads its A fragments (x: rows g and g + 8 of
+each 16, values t and t + 4) and B fragments (W: row g of each 8, values t and t + 4)
+from the shared tiles and makes 8 products, three TF32 ones each (`mma_f32`): 24 tensor
+instructions where the fast kernel's warp makes 8 x 32 fused multiply-adds a lane. The
+tiles' rows are padded by 4 values, as the fast kernel's: a fragment's 32 loads hit 32
+banks (bank 4t + g). The fast kernel's 128 x 64 tile on 256 threads would need 151
+registers a thread here, one block an SM; held to 128 by launch bounds it spills. The
+64 x 64 tile takes 168 with no spill, and an SM keeps 3 blocks (ptxas, sm_90).
+
+Precision: each output is a float32 sum over k, in blocks of 8 products summed by the
+tensor core, within the same bound as the fast kernel's (matvec.dot_tolerance); the
+bits differ from it, so a process uses one or the other (STRATA_NB_PROMPT_MMA, as the
+prompt attention's switch: attention_prefill_mma.py).
+"""
+from __future__ import annotations
+
+from numba import cuda, float32, uint64
+
+from strata_nb.gpu.geometry import MATMUL_MMA_W_THREADS, MATMUL_MMA_X_THREADS, SIMULATED
+from strata_nb.gpu.launch import DeviceArgs, stream
+from strata_nb.gpu.reduce import WARP
+from strata_nb.gpu.tensor_core import TILE_K, TILE_M, TILE_N, mma_f32
+from strata_nb.kernels.dense.gguf_rows import QK, QTYPES, weight_views
+from strata_nb.kernels.dense.matmul import W_REGS, X_REGS, check, loader_sizes, make_tile_loader
+
+W_THREADS, X_THREADS = MATMUL_MMA_W_THREADS, MATMUL_MMA_X_THREADS  # 16 x 8 on a GPU, 8 x 4 (one warp) simulated
+THREADS = W_THREADS * X_THREADS
+W_TILE_ROWS, X_TILE_ROWS = W_THREADS * W_REGS, X_THREADS * X_REGS  # 64 x 64 on a GPU, 32 x 32 simulated
+WARP_ROWS = 32  # rows of W, and of x, a warp owns
+WARPS_W = W_TILE_ROWS // WARP_ROWS
+M_TILES, N_TILES = WARP_ROWS // TILE_M, WARP_ROWS // TILE_N  # a warp's products: 2 along x, 4 along W
+W_PITCH, X_PITCH = W_TILE_ROWS + 4, X_TILE_ROWS + 4
+RUNS = QK // 4
+_, _, _, _, _, W_NEXT, X_NEXT = loader_sizes(THREADS, W_TILE_ROWS, X_TILE_ROWS)
+assert (W_TILE_ROWS // WARP_ROWS) * (X_TILE_ROWS // WARP_ROWS) * WARP == THREADS, "a warp per 32 x 32"
+U8 = uint64(8)
+# 3 blocks an SM: ptxas keeps to 168 registers a thread (the simulator's jit takes no
+# launch bounds)
+LAUNCH_BOUNDS = {} if SIMULATED else {"launch_bounds": (THREADS, 3)}
+
+
+# --8<-- [start:matmul_mma_kernel]
+def make_matmul_mma_kernel(part, nibbles):
+    fetch, stash = make_tile_loader(part, nibbles, THREADS, W_TILE_ROWS, X_TILE_ROWS)
+
+    @cuda.jit(cache=True, **LAUNCH_BOUNDS)
+    def matmul_mma_kernel(x,  # (n, in) float32
+                          a,  # (out, *) view a of W's rows (gguf_rows.QTYPES)
+                          b,  # (out, *) view b of the same bytes
+                          y):  # (n, out) float32, written
+        t = cuda.threadIdx.x
+        warp, lane = t // WARP, t % WARP
+        g, tq = uint64(lane // 4), uint64(lane % 4)
+        w0 = uint64((warp % WARPS_W) * WARP_ROWS)  # the warp's first row of the tile's W
+        x0 = uint64((warp // WARPS_W) * WARP_ROWS)  # and of its x
+        o0, i0 = cuda.blockIdx.x * W_TILE_ROWS, cuda.blockIdx.y * X_TILE_ROWS
+        n, n_in = x.shape
+        n_out, n_blocks = y.shape[1], n_in // QK
+        w_tile = cuda.shared.array((RUNS, 4, W_PITCH), float32)  # [k // 4, k % 4, r]: value k of W row o0 + r
+        x_tile = cuda.shared.array((RUNS, 4, X_PITCH), float32)  # [k // 4, k % 4, i]: value k of x row i0 + i
+        w_next = cuda.local.array(W_NEXT, float32)
+        x_next = cuda.local.array(X_NEXT, float32)
+        # acc[mt, nt, :]: the C fragment of x rows x0 + 16 mt .. +15 against W rows w0 + 8 nt .. +7
+        acc = cuda.local.array((M_TILES, N_TILES, 4), float32)
+        for mt in range(M_TILES):
+            for nt in range(N_TILES):
+                for i in range(4):
+                    acc[mt, nt, i] = float32(0.0)
+
+        fetch(x, a, b, 0, t, o0, i0, w_next, x_next)
+        for blk in range(n_blocks):
+            stash(t, w_next, x_next, w_tile, x_tile)
+            cuda.syncthreads()  # both tiles complete before anyone multiplies
+            if blk + 1 < n_blocks:
+                fetch(x, a, b, blk + 1, t, o0, i0, w_next, x_next)  # in flight while this step multiplies
+            for ks in range(QK // TILE_K):  # 8 values of k: runs 2 ks (values t) and 2 ks + 1 (t + 4)
+                lo, hi = uint64(2 * ks), uint64(2 * ks + 1)
+                for mt in range(M_TILES):  # A: x rows g, g + 8 at values t, then t + 4
+                    r = x0 + uint64(TILE_M * mt) + g
+                    a0, a1 = x_tile[lo, tq, r], x_tile[lo, tq, r + U8]
+                    a2, a3 = x_tile[hi, tq, r], x_tile[hi, tq, r + U8]
+                    for nt in range(N_TILES):  # B: W row g of the 8, values t and t + 4
+                        c = w0 + uint64(TILE_N * nt) + g
+                        acc[mt, nt, 0], acc[mt, nt, 1], acc[mt, nt, 2], acc[mt, nt, 3] = mma_f32(
+                            a0, a1, a2, a3, w_tile[lo, tq, c], w_tile[hi, tq, c],
+                            acc[mt, nt, 0], acc[mt, nt, 1], acc[mt, nt, 2], acc[mt, nt, 3])
+            cuda.syncthreads()  # everyone is done with the tiles before they are refilled
+
+        # d0..d3: x rows g (d0, d1) and g + 8 (d2, d3), W rows 2t and 2t + 1 of each product
+        for mt in range(M_TILES):
+            for nt in range(N_TILES):
+                for i in range(4):
+                    row = i0 + int(x0) + TILE_M * mt + int(g) + 8 * (i // 2)
+                    col = o0 + int(w0) + TILE_N * nt + 2 * int(tq) + i % 2
+                    if row < n and col < n_out:
+                        y[row, col] = acc[mt, nt, i]
+
+    return matmul_mma_kernel
+
+
+MATMUL_MMA_KERNELS = {qtype: make_matmul_mma_kernel(part, nibbles) for qtype, (part, _, _, nibbles) in QTYPES.items()}
+# --8<-- [end:matmul_mma_kernel]
+
+
+def matmul_mma(x, raw, qtype, y):
+    """Like matmul.matmul, on tensor cores (needs compute capability 8.0: the caller checks,
+    gpu/tensor_core.available)."""
+    n, n_out = check(x, raw, qtype, y)
+    if n == 0 or n_out == 0:
+        return
+    grid = (-(-n_out // W_TILE_ROWS), -(-n // X_TILE_ROWS))
+    with DeviceArgs() as dev:
+        a, b = weight_views(dev.read(raw), qtype)
+        MATMUL_MMA_KERNELS[qtype][grid, THREADS, stream()](dev.read(x), a, b, dev.write(y))
