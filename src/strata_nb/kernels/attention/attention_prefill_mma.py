@@ -68,7 +68,7 @@ def most_queries(group: int) -> int:
 
 # --8<-- [start:attention_mma_kernel]
 def make_attention_mma_kernel(read_k, read_v, D):
-    """The tensor-core prompt kernel for one format and head_dim D (32 or 64)."""
+    """The tensor-core prompt kernel for one format and head_dim D (MMA_HEAD_DIMS)."""
     CELLS = tile_cells(D)  # 64 cells a round
     COLS = CELLS // BLOCK
     KD, NC = D // TILE_K, CELLS // TILE_N  # a round's scores: KD products for each of NC tiles
