@@ -240,3 +240,42 @@ def test_a_prefill_on_tensor_cores_matches_the_numpy_engine(tiny_model, monkeypa
     assert {"Q4_1", "Q8_0"} <= set(products)  # the layers' matrices and the tied output head
     for row_got, row_want in zip(got, want):
         assert_logits_close(row_got, row_want)
+
+
+@pytest.mark.skipif(ON_GPU, reason="the simulator's shared memory")
+def test_lanes_that_first_ask_at_once_share_one_scratch(monkeypatch):
+    """The simulator's shared.array looks its array up by the calling line and adds it when
+    missing. Threads released together by a barrier can all miss, and each make its own:
+    this stand-in widens that gap to 20 ms. The emulated product and the quad reductions
+    ask under one lock (reduce.first_ask), so every lane still trades with its warp; the
+    negative control, without the lock, gets wrong sums."""
+    import contextlib
+    import sys
+    import time
+    import traceback
+
+    from numba.cuda.simulator import kernelapi
+    from numba.np import numpy_support
+
+    from strata_nb.gpu import reduce
+
+    def slow_array(self, shape, dtype, alignment=None):
+        caller = traceback.extract_stack(sys._getframe())[-2][0:2]
+        found = self._allocations.get(caller)
+        if found is None:
+            time.sleep(0.02)  # the gap between the lookup and the store, widened
+            found = self._allocations[caller] = np.zeros(shape, numpy_support.as_dtype(dtype))
+        return found
+
+    monkeypatch.setattr(kernelapi.FakeCUDAShared, "array", slow_array)
+    values = np.random.default_rng(9).standard_normal(64).astype(np.float32)
+    want = np.repeat(values.reshape(16, 4).sum(axis=1), 4)
+    a, b, c = operands(4)
+    for lock, ok in ((reduce.first_ask, True), (contextlib.nullcontext(), False)):
+        monkeypatch.setattr(reduce, "first_ask", lock)
+        monkeypatch.setattr(tensor_core, "first_ask", lock)
+        sums, maxes, out = np.zeros(64, np.float32), np.zeros(64, np.float32), np.zeros((32, 4), np.float32)
+        quad_kernel[1, 64](values, sums, maxes)
+        product_kernel[1, 32](fragments_of(a, b, c), out)
+        assert np.allclose(sums, want, atol=1e-5) == ok
+        assert np.allclose(matrix_of(out), a.astype(np.float64) @ b + c, atol=1e-4) == ok

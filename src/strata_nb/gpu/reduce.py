@@ -94,13 +94,19 @@ else:
     # NumPy on the shared array directly, and keep per-thread state in a thread-local
     # (each simulated thread is a new Python thread, so it starts with none).
     lane_state = threading.local()  # .scratch: the block's shared array; .count: exchanges so far
+    # The simulator's shared.array looks its array up in a dict and adds it when missing: two
+    # threads released by one barrier can both miss and each make an array of its own, and
+    # then they trade values with no one. One lock around the first ask makes the first
+    # array every thread's (gpu/tensor_core.py's emulation asks under it too).
+    first_ask = threading.Lock()
 
     @cuda.jit(device=True)
     def exchange(x):
         """The simulator's stand-in for the shuffles: this warp's 32 values as a (32,)
         float32 array. Every thread of the block must call it."""
         if not hasattr(lane_state, "scratch"):  # shared.array walks the Python stack each call: ask once
-            lane_state.scratch = cuda.shared.array((2, MAX_THREADS), float32)  # two rows of one value per thread
+            with first_ask:
+                lane_state.scratch = cuda.shared.array((2, MAX_THREADS), float32)  # two rows of one value per thread
             lane_state.count = 0
         t = cuda.threadIdx.x + cuda.blockDim.x * (cuda.threadIdx.y + cuda.blockDim.y * cuda.threadIdx.z)
         # Alternate between two rows, so one barrier is enough: a lane can write row r

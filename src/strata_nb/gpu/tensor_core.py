@@ -164,12 +164,15 @@ else:
     # Under the simulator: plain Python run by each simulated thread, trading fragments as
     # gpu/reduce.py's exchange trades values (a thread-local scratch, two rows taken in
     # turn, one barrier).
+    from strata_nb.gpu.reduce import first_ask
+
     _lanes = threading.local()  # .scratch: the block's shared array; .count: products so far
 
     @cuda.jit(device=True)
     def mma_f32(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
         if not hasattr(_lanes, "scratch"):
-            _lanes.scratch = cuda.shared.array((2, MAX_THREADS, 10), float32)
+            with first_ask:  # one array for the block (gpu/reduce.py says why)
+                _lanes.scratch = cuda.shared.array((2, MAX_THREADS, 10), float32)
             _lanes.count = 0
         t = cuda.threadIdx.x + cuda.blockDim.x * (cuda.threadIdx.y + cuda.blockDim.y * cuda.threadIdx.z)
         row = _lanes.count % 2
