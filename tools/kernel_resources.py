@@ -2,8 +2,9 @@
 GPU: registers per thread, static shared memory per thread block, spilled bytes, and how
 many warps the register file lets an SM keep (of 64). gpu/sm90.py explains the
 numbers; this runs a tiny random-weight model under the simulator to record the
-launches (prefill and a decode step, resident and streamed with QSA), then compiles each
-for sm_90 and asks ptxas. The tiny model has 2 query heads per KV head where the default
+launches (prefill and a decode step, resident and streamed with QSA; a prefill with the
+prompt kernels on tensor cores, STRATA_NB_PROMPT_MMA), then compiles each for sm_90 and
+asks ptxas. The tiny model has 2 query heads per KV head where the default
 model has 3: the step attention is compiled per group size, the rest is the same code.
 
     python tools/kernel_resources.py            # fp16 and k8v4, resident and streamed QSA
@@ -24,6 +25,7 @@ from strata_nb.gpu.sm90 import compile_recorded, ptxas, record_launches, warps_b
 def main(formats: list[str]) -> int:
     from strata_nb.backend.cuda_backend import CudaBackend
     from strata_nb.engine.engine import Engine
+    from strata_nb.gpu import tensor_core
     from strata_nb.model.gguf_file import GGUFModel
     from strata_nb.model.synthetic import write_synthetic_gguf
     from strata_nb.settings import Settings
@@ -43,6 +45,10 @@ def main(formats: list[str]) -> int:
                              GGUFModel(model), CudaBackend())
                 token = int(eng.prefill(prompt).argmax())
                 eng.device_step().run(token, len(prompt))
+            tensor_core._ON = True  # the prompt chunk's matmuls and attention on tensor cores
+            Engine(Settings(model=model, kv=kv, max_context=512, device="cuda"), GGUFModel(model),
+                   CudaBackend()).prefill(prompt)
+            tensor_core._ON = False
     failures, rows = compile_recorded(launches, binary)
     for f in failures:
         print("not compiled:", f, file=sys.stderr)
