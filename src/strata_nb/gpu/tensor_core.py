@@ -134,7 +134,8 @@ if not SIMULATED:
 
         def codegen(context, builder, signature, args):
             bits = [builder.bitcast(v, i32) for v in args[:6]]
-            d = builder.call(asm, bits + list(args[6:]))
+            # convergent: the whole warp runs it together, so no pass may move it under a branch
+            d = builder.call(asm, bits + list(args[6:]), attrs=("convergent", "nounwind"))
             return context.make_tuple(builder, signature.return_type, [builder.extract_value(d, i) for i in range(4)])
         return types.UniTuple(types.float32, 4)(*([types.float32] * 10)), codegen
     # --8<-- [end:mma_instructions]
