@@ -97,16 +97,22 @@ def test_warp_sum_and_max_in_every_lane_in_butterfly_order():
 
 # ---- matvec and matmul ---------------------------------------------------------------------
 
-@pytest.mark.parametrize("shape", MATVEC_SHAPES)
-@pytest.mark.parametrize("qtype, n", MATVEC_CASES)
-def test_matvec_matches_ref(qtype, n, shape):
+def check_product(launcher, qtype, n, shape, ref=matvec_ref):
+    """launcher's y = x W^T (random W of qtype and shape, n random rows of x, seeded by n)
+    within dot_tolerance of the reference's."""
     rng = np.random.default_rng(n)
     raw = quantized(rng, qtype, shape)
     x = rng.standard_normal((n, shape[1])).astype(np.float32)
     want, got = np.zeros((n, shape[0]), np.float32), np.full((n, shape[0]), np.nan, np.float32)
-    matvec_ref(x, raw, qtype, want)
-    matvec(x, raw, qtype, got)
+    ref(x, raw, qtype, want)
+    launcher(x, raw, qtype, got)
     assert_within(got, want, dot_tolerance(x, dequantize(raw, qtype)))
+
+
+@pytest.mark.parametrize("shape", MATVEC_SHAPES)
+@pytest.mark.parametrize("qtype, n", MATVEC_CASES)
+def test_matvec_matches_ref(qtype, n, shape):
+    check_product(matvec, qtype, n, shape)
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
@@ -270,13 +276,7 @@ def test_rope_epilogue_equals_matvec_then_rope_bit_for_bit(n, warps):
 @pytest.mark.parametrize("qtype, n, shape", MATMUL_CASES)
 def test_matmul_matches_ref(qtype, n, shape):
     assert n % X_TILE_ROWS or shape[0] % W_TILE_ROWS, "a case that fills its last tiles tests no edge"
-    rng = np.random.default_rng(n)
-    raw = quantized(rng, qtype, shape)
-    x = rng.standard_normal((n, shape[1])).astype(np.float32)
-    want, got = np.zeros((n, shape[0]), np.float32), np.full((n, shape[0]), np.nan, np.float32)
-    matmul_ref(x, raw, qtype, want)
-    matmul(x, raw, qtype, got)
-    assert_within(got, want, dot_tolerance(x, dequantize(raw, qtype)))
+    check_product(matmul, qtype, n, shape, matmul_ref)
 
 
 @pytest.mark.parametrize("qtype", QTYPES)

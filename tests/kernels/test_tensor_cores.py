@@ -20,7 +20,7 @@ from strata_nb.kernels.dense.matmul_mma import matmul_mma
 from strata_nb.kernels.dense.matvec import dot_tolerance
 from strata_nb.kv_layout import all_blocks_upto, shared_blocks_upto
 from strata_nb.model.dequant import dequantize
-from test_dense_kernels import MATMUL_CASES, assert_within, quantized, within
+from test_dense_kernels import MATMUL_CASES, check_product, quantized, within
 
 
 def fragments_of(a, b, c):
@@ -105,13 +105,7 @@ def test_quad_reductions_give_each_group_its_own():
 def test_the_tensor_core_matmul_matches_the_reference(qtype, n, shape):
     """Every weight type, tiles of W and of x cut short (64 x 64 on a GPU, 32 x 32 under the
     simulator), within the fast kernel's bound (matvec.dot_tolerance)."""
-    rng = np.random.default_rng(n)
-    raw = quantized(rng, qtype, shape)
-    x = rng.standard_normal((n, shape[1])).astype(np.float32)
-    want, got = np.zeros((n, shape[0]), np.float32), np.full((n, shape[0]), np.nan, np.float32)
-    matmul_ref(x, raw, qtype, want)
-    matmul_mma(x, raw, qtype, got)
-    assert_within(got, want, dot_tolerance(x, dequantize(raw, qtype)))
+    check_product(matmul_mma, qtype, n, shape, matmul_ref)
 
 
 @pytest.mark.skipif(ON_GPU, reason="the GPU's tensor cores cannot be handed a wrong table")

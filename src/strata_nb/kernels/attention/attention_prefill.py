@@ -64,9 +64,10 @@ def tile_cells(head_dim: int) -> int:
 
 # --8<-- [start:round_loader]
 def make_round_loader(read_k, read_v, D, COLS, THREADS):
-    """The two steps that start a round in both prompt kernels (this file's and
+    """The steps that start a round in both prompt kernels (this file's and
     attention_prefill_mma.py's), for one format, head_dim D, COLS selected blocks a round
-    and THREADS threads a block. Every thread of the block calls each; a barrier follows."""
+    and THREADS threads a block: set_columns, a barrier, any_seen (else the round is
+    skipped), unpack, a barrier. Every thread of the block calls each."""
 
     @cuda.jit(device=True)
     def set_columns(t, q0, n_tile, s0, end, last, blocks, page_table, col_row, col_host, col_start, chosen, cb, qb):
@@ -90,6 +91,15 @@ def make_round_loader(read_k, read_v, D, COLS, THREADS):
                 if s0 + cc < end and blocks[q0 + qi if shared_row == 0 else 0, s0 + cc] >= 0:
                     bits |= 1 << cc
             chosen[qb + qi] = bits
+
+    @cuda.jit(device=True)
+    def any_seen(col_row, cb):
+        """Whether the round reads any column; the same in every thread after the barrier
+        that follows set_columns, so a thread that skips the round skips no barrier alone."""
+        seen = False
+        for cc in range(COLS):
+            seen = seen or col_row[cb + cc] >= 0
+        return seen
 
     @cuda.jit(device=True)
     def unpack(t, cb, kv_h, last, col_row, col_host, col_start, pool_ka, pool_kb, pool_va, pool_vb,
@@ -120,7 +130,7 @@ def make_round_loader(read_k, read_v, D, COLS, THREADS):
                     seen = r >= 0 and col_start[cb + cc] + c <= last
                     v_s[c0 + c, u - D] = column[c] if seen else float32(0.0)
 
-    return set_columns, unpack
+    return set_columns, any_seen, unpack
 # --8<-- [end:round_loader]
 
 
@@ -142,7 +152,7 @@ def make_attention_kernel(read_k, read_v, D):
     Q_SHAPE, KP_SHAPE, V_SHAPE = (D, Q_ROWS), (max(CELLS, Q_ROWS), max(D, CELLS) + 1), (CELLS, D)
     uD, uCELLS, uRG, uCG = uint64(D), uint64(CELLS), uint64(ROW_GROUPS), uint64(COL_GROUPS)
     B_REGS = max(CPT, DPT)  # K values of the scores, then V values of the sums
-    set_columns, unpack = make_round_loader(read_k, read_v, D, COLS, THREADS)
+    set_columns, any_seen, unpack = make_round_loader(read_k, read_v, D, COLS, THREADS)
 
     @cuda.jit(cache=True)
     def attention_kernel(q,           # (Q, H, D) float32
@@ -224,10 +234,7 @@ def make_attention_kernel(read_k, read_v, D):
             set_columns(t, q0, n_tile, s0, end, last, blocks, page_table, col_row, col_host, col_start, chosen,
                         cb, qb)
             cuda.syncthreads()
-            any_seen = False  # the same for every thread, so none skips a barrier alone
-            for cc in range(COLS):
-                any_seen = any_seen or col_row[cb + cc] >= 0
-            if not any_seen:
+            if not any_seen(col_row, cb):
                 continue
 
             unpack(t, cb, kv_h, last, col_row, col_host, col_start, pool_ka, pool_kb, pool_va, pool_vb,

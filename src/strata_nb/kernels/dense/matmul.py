@@ -203,16 +203,22 @@ def check(x, raw, qtype, y) -> tuple[int, int]:
     return n, n_out
 
 
-def matmul1(x, raw, qtype, y):
-    """Like matmul_ref, on the device, with the plain kernel (tests run it; the backend
-    runs `matmul`)."""
+def launch(kernels, w_rows: int, x_rows: int, threads, x, raw, qtype, y):
+    """Check the arrays, move NumPy ones, and launch kernels[qtype] on tiles of w_rows of W
+    x x_rows of x, `threads` a block: every matmul launcher (this file's, matmul_mma's)."""
     n, n_out = check(x, raw, qtype, y)
     if n == 0 or n_out == 0:
         return
-    grid = (-(-n_out // TILE), -(-n // TILE))
+    grid = (-(-n_out // w_rows), -(-n // x_rows))
     with DeviceArgs() as dev:
         a, b = weight_views(dev.read(raw), qtype)
-        MATMUL_KERNELS1[qtype][grid, (SIDE, SIDE), stream()](dev.read(x), a, b, dev.write(y))
+        kernels[qtype][grid, threads, stream()](dev.read(x), a, b, dev.write(y))
+
+
+def matmul1(x, raw, qtype, y):
+    """Like matmul_ref, on the device, with the plain kernel (tests run it; the backend
+    runs `matmul`)."""
+    launch(MATMUL_KERNELS1, TILE, TILE, (SIDE, SIDE), x, raw, qtype, y)
 
 
 # --8<-- [start:matmul_kernel]
@@ -353,10 +359,4 @@ MATMUL_KERNELS = {qtype: make_matmul_kernel(part, nibbles) for qtype, (part, _, 
 def matmul(x, raw, qtype, y):
     """Like matmul_ref, on the device, for any number of rows of x (the backend sends 1..8
     to matvec). NumPy arguments are moved (y is written back)."""
-    n, n_out = check(x, raw, qtype, y)
-    if n == 0 or n_out == 0:
-        return
-    grid = (-(-n_out // W_TILE_ROWS), -(-n // X_TILE_ROWS))
-    with DeviceArgs() as dev:
-        a, b = weight_views(dev.read(raw), qtype)
-        MATMUL_KERNELS[qtype][grid, FAST_THREADS, stream()](dev.read(x), a, b, dev.write(y))
+    launch(MATMUL_KERNELS, W_TILE_ROWS, X_TILE_ROWS, FAST_THREADS, x, raw, qtype, y)

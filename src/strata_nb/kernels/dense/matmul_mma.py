@@ -28,11 +28,10 @@ from __future__ import annotations
 from numba import cuda, float32, uint64
 
 from strata_nb.gpu.geometry import MATMUL_MMA_W_THREADS, MATMUL_MMA_X_THREADS, SIMULATED
-from strata_nb.gpu.launch import DeviceArgs, stream
 from strata_nb.gpu.reduce import WARP
 from strata_nb.gpu.tensor_core import TILE_K, TILE_M, TILE_N, mma_f32
-from strata_nb.kernels.dense.gguf_rows import QK, QTYPES, weight_views
-from strata_nb.kernels.dense.matmul import W_REGS, X_REGS, check, loader_sizes, make_tile_loader
+from strata_nb.kernels.dense.gguf_rows import QK, QTYPES
+from strata_nb.kernels.dense.matmul import W_REGS, X_REGS, launch, loader_sizes, make_tile_loader
 
 W_THREADS, X_THREADS = MATMUL_MMA_W_THREADS, MATMUL_MMA_X_THREADS  # 16 x 8 on a GPU, 8 x 4 (one warp) simulated
 THREADS = W_THREADS * X_THREADS
@@ -116,10 +115,4 @@ MATMUL_MMA_KERNELS = {qtype: make_matmul_mma_kernel(part, nibbles) for qtype, (p
 def matmul_mma(x, raw, qtype, y):
     """Like matmul.matmul, on tensor cores (needs compute capability 8.0: the caller checks,
     gpu/tensor_core.available)."""
-    n, n_out = check(x, raw, qtype, y)
-    if n == 0 or n_out == 0:
-        return
-    grid = (-(-n_out // W_TILE_ROWS), -(-n // X_TILE_ROWS))
-    with DeviceArgs() as dev:
-        a, b = weight_views(dev.read(raw), qtype)
-        MATMUL_MMA_KERNELS[qtype][grid, THREADS, stream()](dev.read(x), a, b, dev.write(y))
+    launch(MATMUL_MMA_KERNELS, W_TILE_ROWS, X_TILE_ROWS, THREADS, x, raw, qtype, y)
