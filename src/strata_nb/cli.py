@@ -141,8 +141,9 @@ def run(prompt, max_tokens, temperature, top_k, top_p, seed, raw, stats, **engin
                    f"({s.finish_reason})", err=True)
         if eng.be.dependent_launches() not in ("off", "no GPU"):  # STRATA_NB_DEPENDENT_LAUNCH=1
             click.echo(f"dependent launches: {eng.be.dependent_launches()}", err=True)
-        if eng.be.prompt_kernels(eng.config.head_dim) not in ("plain", "reference"):  # STRATA_NB_PROMPT_MMA=1
-            click.echo(f"prompt kernels: {eng.be.prompt_kernels(eng.config.head_dim)}", err=True)
+        prompt_kernels = eng.be.prompt_kernels(eng.config.head_dim)
+        if prompt_kernels not in ("plain", "reference"):  # STRATA_NB_PROMPT_MMA=1
+            click.echo(f"prompt kernels: {prompt_kernels}", err=True)
         if eng.kv.streamed:
             c = eng.kv.counters
             click.echo(f"KV streaming: {c.lookups} lookups, {c.misses} misses ({c.misses_per_step:.1f} per layer-step), "

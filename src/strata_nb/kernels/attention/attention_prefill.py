@@ -66,14 +66,16 @@ def tile_cells(head_dim: int) -> int:
 def make_round_loader(read_k, read_v, D, COLS, THREADS):
     """The steps that start a round in both prompt kernels (this file's and
     attention_prefill_mma.py's), for one format, head_dim D, COLS selected blocks a round
-    and THREADS threads a block: set_columns, a barrier, any_seen (else the round is
-    skipped), unpack, a barrier. Every thread of the block calls each."""
+    and THREADS threads a block: open_round (skip the round when it reads nothing), then
+    unpack and a barrier. Every thread of the block calls each."""
 
     @cuda.jit(device=True)
-    def set_columns(t, q0, n_tile, s0, end, last, blocks, page_table, col_row, col_host, col_start, chosen, cb, qb):
+    def open_round(t, q0, n_tile, s0, end, last, blocks, page_table, col_row, col_host, col_start, chosen, cb, qb):
         """The round's columns s0 .. s0 + COLS - 1 of the selection, into the shared lists
         from cb: which slot (or block of the host copy) each reads, -1 = none; and from qb,
-        which of them each query of the tile selected (bit cc of chosen)."""
+        which of them each query of the tile selected (bit cc of chosen). Then a barrier,
+        and whether the round reads any column: the same answer in every thread, so a
+        thread that skips the round skips no barrier alone."""
         shared_row = 1 if blocks.shape[0] == 1 else 0  # one selection for every query
         for cc in range(t, COLS, THREADS):
             b = -1  # the tile's block in this column: its queries agree (the launcher checked)
@@ -91,11 +93,7 @@ def make_round_loader(read_k, read_v, D, COLS, THREADS):
                 if s0 + cc < end and blocks[q0 + qi if shared_row == 0 else 0, s0 + cc] >= 0:
                     bits |= 1 << cc
             chosen[qb + qi] = bits
-
-    @cuda.jit(device=True)
-    def any_seen(col_row, cb):
-        """Whether the round reads any column; the same in every thread after the barrier
-        that follows set_columns, so a thread that skips the round skips no barrier alone."""
+        cuda.syncthreads()
         seen = False
         for cc in range(COLS):
             seen = seen or col_row[cb + cc] >= 0
@@ -130,7 +128,7 @@ def make_round_loader(read_k, read_v, D, COLS, THREADS):
                     seen = r >= 0 and col_start[cb + cc] + c <= last
                     v_s[c0 + c, u - D] = column[c] if seen else float32(0.0)
 
-    return set_columns, any_seen, unpack
+    return open_round, unpack
 # --8<-- [end:round_loader]
 
 
@@ -152,7 +150,7 @@ def make_attention_kernel(read_k, read_v, D):
     Q_SHAPE, KP_SHAPE, V_SHAPE = (D, Q_ROWS), (max(CELLS, Q_ROWS), max(D, CELLS) + 1), (CELLS, D)
     uD, uCELLS, uRG, uCG = uint64(D), uint64(CELLS), uint64(ROW_GROUPS), uint64(COL_GROUPS)
     B_REGS = max(CPT, DPT)  # K values of the scores, then V values of the sums
-    set_columns, any_seen, unpack = make_round_loader(read_k, read_v, D, COLS, THREADS)
+    open_round, unpack = make_round_loader(read_k, read_v, D, COLS, THREADS)
 
     @cuda.jit(cache=True)
     def attention_kernel(q,           # (Q, H, D) float32
@@ -231,10 +229,8 @@ def make_attention_kernel(read_k, read_v, D):
         for s0 in range(first, end, COLS):
             half = ((s0 - first) // COLS) % 2
             cb, qb = half * MAX_TILE_COLUMNS, half * MAX_TILE_QUERIES
-            set_columns(t, q0, n_tile, s0, end, last, blocks, page_table, col_row, col_host, col_start, chosen,
-                        cb, qb)
-            cuda.syncthreads()
-            if not any_seen(col_row, cb):
+            if not open_round(t, q0, n_tile, s0, end, last, blocks, page_table, col_row, col_host, col_start,
+                              chosen, cb, qb):
                 continue
 
             unpack(t, cb, kv_h, last, col_row, col_host, col_start, pool_ka, pool_kb, pool_va, pool_vb,

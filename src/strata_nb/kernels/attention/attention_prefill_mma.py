@@ -75,7 +75,7 @@ def make_attention_mma_kernel(read_k, read_v, D):
     KC, ND = CELLS // TILE_K, D // TILE_N  # its V sums: KC products for each of ND tiles
     KP_SHAPE = (max(CELLS, MMA_ROWS), max(D, CELLS) + K_PAD)  # K tile kp[c, j], then P[r, c]
     V_SHAPE = (CELLS, D + V_PAD)
-    set_columns, any_seen, unpack = make_round_loader(read_k, read_v, D, COLS, MMA_THREADS)
+    open_round, unpack = make_round_loader(read_k, read_v, D, COLS, MMA_THREADS)
 
     @cuda.jit(cache=True)
     def attention_mma_kernel(q, q_pos, blocks, page_table, scale, per_split, tile,
@@ -130,10 +130,8 @@ def make_attention_mma_kernel(read_k, read_v, D):
         for s0 in range(first, end, COLS):
             half = ((s0 - first) // COLS) % 2
             cb, qb = half * 4, half * MMA_ROWS
-            set_columns(t, q0, n_tile, s0, end, last, blocks, page_table, col_row, col_host, col_start, chosen,
-                        cb, qb)
-            cuda.syncthreads()
-            if not any_seen(col_row, cb):
+            if not open_round(t, q0, n_tile, s0, end, last, blocks, page_table, col_row, col_host, col_start,
+                              chosen, cb, qb):
                 continue
             unpack(t, cb, kv_h, last, col_row, col_host, col_start, pool_ka, pool_kb, pool_va, pool_vb,
                    host_ka, host_kb, host_va, host_vb, kp, v_s, column)

@@ -234,8 +234,9 @@ def thread_place(t):
 
 
 def make_tile_loader(part, nibbles, threads, w_rows, x_rows):
-    """fetch and stash for a block of `threads` threads and a tile of w_rows of W and x_rows
-    of x, for one weight type: the fast kernel's here, and matmul_mma.py's."""
+    """fetch, stash and their step, next_block, for a block of `threads` threads and a tile
+    of w_rows of W and x_rows of x, for one weight type: the fast kernel's here, and
+    matmul_mma.py's."""
     X_LANES, W_STEP, X_STEP, W_PASSES, X_PASSES, _, _ = loader_sizes(threads, w_rows, x_rows)
 
     @cuda.jit(device=True)
@@ -281,11 +282,20 @@ def make_tile_loader(part, nibbles, threads, w_rows, x_rows):
                 k = X_LANES * d + t % X_LANES
                 x_tile[k // 4, k % 4, i] = x_next[QK // X_LANES * u + d]
 
-    return fetch, stash
+    @cuda.jit(device=True)
+    def next_block(x, a, b, blk, n_blocks, t, o0, i0, w_next, x_next, w_tile, x_tile):
+        """Block blk (fetched by the step before, or by a first fetch) into the shared tiles,
+        a barrier, and block blk + 1's loads in flight while this one multiplies."""
+        stash(t, w_next, x_next, w_tile, x_tile)
+        cuda.syncthreads()  # both tiles complete before anyone multiplies
+        if blk + 1 < n_blocks:
+            fetch(x, a, b, blk + 1, t, o0, i0, w_next, x_next)
+
+    return fetch, next_block
 
 
 def make_matmul_kernel(part, nibbles):
-    fetch, stash = make_tile_loader(part, nibbles, FAST_THREADS, W_TILE_ROWS, X_TILE_ROWS)
+    fetch, next_block = make_tile_loader(part, nibbles, FAST_THREADS, W_TILE_ROWS, X_TILE_ROWS)
 
     @cuda.jit(device=True)
     def multiply(w_k,  # (W_PITCH,) float32 shared: value k of the tile's rows of W
@@ -329,10 +339,7 @@ def make_matmul_kernel(part, nibbles):
 
         fetch(x, a, b, 0, t, o0, i0, w_next, x_next)
         for blk in range(n_blocks):
-            stash(t, w_next, x_next, w_tile, x_tile)
-            cuda.syncthreads()  # both tiles complete before anyone multiplies
-            if blk + 1 < n_blocks:
-                fetch(x, a, b, blk + 1, t, o0, i0, w_next, x_next)  # in flight while this step multiplies
+            next_block(x, a, b, blk, n_blocks, t, o0, i0, w_next, x_next, w_tile, x_tile)
             for run in range(RUNS):  # 4 values of k a trip, written out
                 multiply(w_tile[run, 0], x_tile[run, 0], tw, tx, acc)
                 multiply(w_tile[run, 1], x_tile[run, 1], tw, tx, acc)

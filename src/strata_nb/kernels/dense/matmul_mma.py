@@ -9,19 +9,20 @@ registers while this block multiplies, then written to the shared tiles k-major,
 
 What changes: the tile is 64 x 64 on 128 threads (a warp, 32 x 32, under the simulator),
 and the block's 4 warps each own 32 rows of x x 32 rows of W of it (2 along each), as
-2 x 4 products of 16 x 8 (tensor_core's fragments, g = lane // 4, t = lane % 4). Per 8 values of k a warp loads its A fragments (x: rows g and g + 8 of
-each 16, values t and t + 4) and B fragments (W: row g of each 8, values t and t + 4)
-from the shared tiles and makes 8 products, three TF32 ones each (`mma_f32`): 24 tensor
-instructions where the fast kernel's warp makes 8 x 32 fused multiply-adds a lane. The
-tiles' rows are padded by 4 values, as the fast kernel's: a fragment's 32 loads hit 32
-banks (bank 4t + g). The fast kernel's 128 x 64 tile on 256 threads would need 151
-registers a thread here, one block an SM; held to 128 by launch bounds it spills. The
-64 x 64 tile takes 168 with no spill, and an SM keeps 3 blocks (ptxas, sm_90).
+2 x 4 products of 16 x 8 (tensor_core's fragments, g = lane // 4, t = lane % 4). Per 8
+values of k a warp loads its A fragments (x: rows g and g + 8 of each 16, values t and
+t + 4) and B fragments (W: row g of each 8, values t and t + 4) from the shared tiles and
+makes 8 products, three TF32 ones each (`mma_f32`): 24 tensor instructions where the
+fast kernel's warp makes 8 x 32 fused multiply-adds a lane. The tiles' rows are padded by
+4 values, as the fast kernel's: a fragment's 32 loads hit 32 banks (bank 4t + g). The
+tile is smaller than the fast kernel's so that a thread's registers let an SM keep 3
+blocks without spilling (launch bounds hold ptxas to that; CHANGELOG.md has the sizes
+that were compiled).
 
 Precision: each output is a float32 sum over k, in blocks of 8 products summed by the
 tensor core, within the same bound as the fast kernel's (matvec.dot_tolerance); the
-bits differ from it, so a process uses one or the other (STRATA_NB_PROMPT_MMA, as the
-prompt attention's switch: attention_prefill_mma.py).
+bits differ from it, so a process uses one or the other (gpu/tensor_core.enabled,
+STRATA_NB_PROMPT_MMA, switches this kernel and the prompt attention's together).
 """
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ LAUNCH_BOUNDS = {} if SIMULATED else {"launch_bounds": (THREADS, 3)}
 
 # --8<-- [start:matmul_mma_kernel]
 def make_matmul_mma_kernel(part, nibbles):
-    fetch, stash = make_tile_loader(part, nibbles, THREADS, W_TILE_ROWS, X_TILE_ROWS)
+    fetch, next_block = make_tile_loader(part, nibbles, THREADS, W_TILE_ROWS, X_TILE_ROWS)
 
     @cuda.jit(cache=True, **LAUNCH_BOUNDS)
     def matmul_mma_kernel(x,  # (n, in) float32
@@ -79,10 +80,7 @@ def make_matmul_mma_kernel(part, nibbles):
 
         fetch(x, a, b, 0, t, o0, i0, w_next, x_next)
         for blk in range(n_blocks):
-            stash(t, w_next, x_next, w_tile, x_tile)
-            cuda.syncthreads()  # both tiles complete before anyone multiplies
-            if blk + 1 < n_blocks:
-                fetch(x, a, b, blk + 1, t, o0, i0, w_next, x_next)  # in flight while this step multiplies
+            next_block(x, a, b, blk, n_blocks, t, o0, i0, w_next, x_next, w_tile, x_tile)
             for ks in range(QK // TILE_K):  # 8 values of k: runs 2 ks (values t) and 2 ks + 1 (t + 4)
                 lo, hi = uint64(2 * ks), uint64(2 * ks + 1)
                 for mt in range(M_TILES):  # A: x rows g, g + 8 at values t, then t + 4
