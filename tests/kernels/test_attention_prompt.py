@@ -58,8 +58,8 @@ def test_rows_alone_a_query_gets_its_bits_in_any_chunk(monkeypatch):
     engine/prompt_chunk.py). Queries 86..90 alone, and as the last 5 of 78..90, and with
     a whole row of 24 blocks in device memory (a chunk replayed from a graph): the same
     bits. Splits of 4 blocks from block 0 (two here). The negative control: sized by the
-    chunk (rows_alone off), the 13-query chunk makes one split where 5 queries make two,
-    and the bits differ."""
+    chunk (rows_alone off, tiles of 5 queries), the 13-query chunk makes one split where 5
+    queries make two, and the bits differ."""
     monkeypatch.setattr(attention_prefill, "ALONE_BLOCKS_PER_SPLIT", 4)
     monkeypatch.setattr(attention_prefill, "BLOCKS_PER_SPLIT", 1)
     monkeypatch.setattr(attention_prefill, "PROMPT_THREAD_BLOCKS", 2 * N_KV)  # one tile: 2 splits; three: 1
@@ -69,10 +69,13 @@ def test_rows_alone_a_query_gets_its_bits_in_any_chunk(monkeypatch):
     q = np.random.default_rng(5).standard_normal((len(q_pos), N_HEADS, HEAD_DIM), np.float32)
     outputs = {}
     for alone in (True, False):
-        chunk = run(lambda *a: attention(*a, rows_alone=alone), fmt, q, q_pos, shared_blocks_upto(q_pos), PAGE_TABLE,
-                    pool, host)[8:]
-        five = run(lambda *a: attention(*a, rows_alone=alone), fmt, q[8:], q_pos[8:], shared_blocks_upto(q_pos[8:]),
-                   PAGE_TABLE, pool, host)
+        # the control's tiles hold 5 queries, so the 13 make three tiles whatever kernel runs
+        # (the tensor-core kernel's GPU tile would hold all 13: one tile, two splits, as the 5)
+        tile = None if alone else 5
+        chunk = run(lambda *a: attention(*a, rows_alone=alone, tile=tile), fmt, q, q_pos, shared_blocks_upto(q_pos),
+                    PAGE_TABLE, pool, host)[8:]
+        five = run(lambda *a: attention(*a, rows_alone=alone, tile=tile), fmt, q[8:], q_pos[8:],
+                   shared_blocks_upto(q_pos[8:]), PAGE_TABLE, pool, host)
         outputs[alone] = chunk, five
     chunk, five = outputs[True]
     np.testing.assert_array_equal(chunk, five)

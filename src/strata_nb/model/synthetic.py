@@ -97,5 +97,8 @@ def write_default_shapes_gguf(path: str | Path, context: int = 8192, seed: int =
     """Random weights in the default model's shapes and vocabulary size (filler tokens
     `tok<i>` after the bytes), so the output head is as large as the real one."""
     tokens = SPECIALS + sorted(_byte_decoder(), key=_byte_decoder().get)
-    tokens += [f"tok{i}" for i in range(DEFAULT_VOCAB - len(tokens))]
-    return write_synthetic_gguf(path, **DEFAULT_SHAPES, context=context, seed=seed, tokens=tokens, merges=[])
+    tokens += ["to"] + [f"tok{i}" for i in range(DEFAULT_VOCAB - len(tokens) - 1)]
+    # one merge: llama.cpp refuses a BPE vocabulary whose file has no merges key, and
+    # gguf writes no key for an empty list (bench --llama-bench runs llama.cpp on this file)
+    return write_synthetic_gguf(path, **DEFAULT_SHAPES, context=context, seed=seed, tokens=tokens,
+                                merges=["t o"])
