@@ -3,7 +3,7 @@ GPU: registers per thread, static shared memory per thread block, spilled bytes,
 many warps the register file lets an SM keep (of 64). gpu/sm90.py explains the
 numbers; this runs a tiny random-weight model under the simulator to record the
 launches (prefill and a decode step, resident and streamed with QSA; a prefill with the
-prompt kernels on tensor cores, STRATA_NB_PROMPT_MMA), then compiles each for sm_90 and
+prompt kernels on tensor cores, as on a GPU), then compiles each for sm_90 and
 asks ptxas. The tiny model has 2 query heads per KV head where the default
 model has 3: the step attention is compiled per group size, the rest is the same code.
 

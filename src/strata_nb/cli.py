@@ -139,10 +139,10 @@ def run(prompt, max_tokens, temperature, top_k, top_p, seed, raw, stats, **engin
         click.echo(f"prompt tokens: {s.prompt_tokens}, prefill: {s.prefill_tok_s:.1f} tok/s, "
                    f"generated: {s.generated_tokens}, decode: {s.decode_tok_s:.1f} tok/s over {s.decode_steps} steps "
                    f"({s.finish_reason})", err=True)
-        if eng.be.dependent_launches() not in ("off", "no GPU"):  # STRATA_NB_DEPENDENT_LAUNCH=1
+        if eng.be.dependent_launches() not in ("off", "no GPU"):  # gpu/dependent_launch.py
             click.echo(f"dependent launches: {eng.be.dependent_launches()}", err=True)
         prompt_kernels = eng.be.prompt_kernels(eng.config.head_dim)
-        if prompt_kernels not in ("plain", "reference"):  # STRATA_NB_PROMPT_MMA=1
+        if prompt_kernels not in ("plain", "reference"):  # on a GPU: tensor cores, or why not
             click.echo(f"prompt kernels: {prompt_kernels}", err=True)
         if eng.kv.streamed:
             c = eng.kv.counters

@@ -26,7 +26,7 @@ from strata_nb.kernels.attention.attention_step import STEP_KERNELS
 from strata_nb.kernels.dense.embed import EMBED_KERNELS, embed_rows_kernel
 from strata_nb.kernels.dense.matvec_fused import MATVEC_KERNELS
 from strata_nb.kernels.experts.expert_down import EXPERT_DOWN_KERNELS
-from strata_nb.kernels.experts.expert_gate_up import EXPERT_GATE_UP_KERNELS, ROUTED_GATE_UP_KERNELS
+from strata_nb.kernels.experts.expert_gate_up import EXPERT_GATE_UP_KERNELS
 from strata_nb.kernels.experts.route import ROUTE_KERNELS
 from strata_nb.kernels.kv.key_sketch import key_sketch_kernel
 from strata_nb.kernels.kv.kv_append_k8v4 import kv_append_k8v4_kernel
@@ -38,7 +38,7 @@ from strata_nb.kernels.step.select_blocks import select_blocks_kernel
 
 # A decode step's kernels, all of which wait for their inputs (a verify window runs the same)
 STEP_S_KERNELS = [*MATVEC_KERNELS.values(), *STEP_KERNELS.values(), *EXPERT_DOWN_KERNELS.values(),
-                  *EXPERT_GATE_UP_KERNELS.values(), *ROUTED_GATE_UP_KERNELS.values(), *ROUTE_KERNELS.values(),
+                  *EXPERT_GATE_UP_KERNELS.values(), *ROUTE_KERNELS.values(),
                   *BLOCK_SCORES_KERNELS.values(), key_sketch_kernel, kv_append_k8v4_kernel, argmax_kernel,
                   map_ring_kernel, select_blocks_kernel, *EMBED_KERNELS.values(), embed_rows_kernel,
                   advance_step_kernel]
@@ -114,8 +114,8 @@ def test_the_wait_is_an_instruction_on_hopper_only():
     assert count == 2 and problem.startswith("it touches memory before it waits: ld.global"), problem
 
 
-def test_the_step_s_kernels_are_marked_and_launch_plain_unless_asked():
-    """The step's kernels are marked; none is dependent while the switch is off, and under
+def test_the_step_s_kernels_are_marked_and_launch_plain_when_turned_off():
+    """The step's kernels are marked; none is dependent while turned off, and under
     the simulator the backend says it cannot be on."""
     kernels = STEP_S_KERNELS
     assert all(getattr(k, "_strata_waits", False) for k in kernels)

@@ -120,42 +120,6 @@ def test_expert_gate_up_matches_the_reference(qtype, n_slots):
     assert_within(got, want, gate_up_tolerance(x_norm, chosen, lambda e: f_host[AT + e]))
 
 
-@pytest.mark.parametrize("n_tok, n_slots", [(1, 2), (T, 0)])
-def test_the_routed_gate_up_is_route_then_gate_up(n_tok, n_slots):
-    """One launch that routes and multiplies (a step's or a window's): the router's choice,
-    weights, lookups and counts as route_ref's, exactly; h as expert_gate_up_ref's on the
-    reference's normed row, within the gate|up bound widened by the norm's (the kernel
-    norms its own row, as the router does)."""
-    from strata_nb.kernels.dense.rmsnorm import U
-    from strata_nb.kernels.experts.expert_gate_up import routed_expert_gate_up, routed_expert_gate_up_ref
-
-    rng = np.random.default_rng(4)
-    host_gu, host_down, slots_gu, slots_down, res, *_ = experts_case("Q4_1", n_slots)
-    x = rng.standard_normal((n_tok, D)).astype(np.float32)
-    norm = (1 + 0.1 * rng.standard_normal(D)).astype(np.float32)
-    raw = quantized(rng, "F32", (E, D), scale=0.3)
-    f_host, f_slots = dq(host_gu, "Q4_1"), dq(slots_gu, "Q4_1").reshape(n_slots, 2 * F, D)
-    outs = {}
-    for name in ("ref", "kernel"):
-        chosen, weights = np.zeros((n_tok, K), np.int32), np.zeros((n_tok, K), np.float32)
-        slot_of = np.full((n_tok, K), 9, np.int32)
-        lookups, hits = np.full(LAYERS * E, 5, np.int32), np.full(LAYERS * E, 7, np.int32)
-        h = np.full((n_tok, K, F), np.nan, np.float32)
-        if name == "ref":
-            x_norm = routed_expert_gate_up_ref(x, norm, 1e-5, dequantize(raw, "F32"), chosen, weights, slot_of, res,
-                                               AT, lookups, hits, f_slots, f_host, h)
-        else:
-            routed_expert_gate_up(x, norm, 1e-5, raw, "F32", chosen, weights, slot_of, res, AT, lookups, hits, slots_gu,
-                                  host_gu, "Q4_1", h, ahead=(slots_down, host_down))
-        outs[name] = chosen, weights, slot_of, lookups, hits, h
-    (c, w, so, lk, hi, h), (c_k, w_k, so_k, lk_k, hi_k, h_k) = outs["ref"], outs["kernel"]
-    for want, got in ((c, c_k), (so, so_k), (lk, lk_k), (hi, hi_k)):
-        np.testing.assert_array_equal(got, want)
-    assert_within(w_k, w, weights_tolerance(x_norm, dequantize(raw, "F32")) * np.abs(w))
-    assert (so >= 0).any() == (n_slots > 0)
-    assert_within(h_k, h, gate_up_tolerance(x_norm, c, lambda e: f_host[AT + e], prologue_rtol=(D + 12) * U))
-
-
 def test_gate_up_reads_the_chosen_experts_down_matrices_ahead():
     """Every sector of each choice's down matrix is read once, from its slot or the host
     copy (the bytes are the same): the grid's XOR is the XOR of each choice's."""

@@ -89,22 +89,6 @@ def test_one_slot_gives_the_all_resident_logits_bit_for_bit(copies, cuda_residen
     assert stats.swaps > 0 and 0 < stats.hits < stats.lookups
 
 
-def test_the_routed_gate_up_matches_numpy_and_any_cache_size(dense, monkeypatch):
-    """STRATA_NB_ROUTED_GATE_UP=1 (the router inside the gate|up kernel), on a split file
-    of 2 distinct experts, both used, weighted by a random router (so a wrong expert or
-    weight shows): the numpy backend's logits within the tolerance, and one slot (one
-    expert read from the host copy) the all-resident logits, bit for bit."""
-    monkeypatch.setenv("STRATA_NB_ROUTED_GATE_UP", "1")
-    split = str(moefy(dense, dense.parent / "split_random.gguf", "split", 2, used=2, router="random", seed=3))
-    want, _ = logits_of(split, "cpu", "auto")
-    resident, _ = logits_of(split, "cuda", "auto")
-    assert (np.abs(resident - want) <= LOGIT_ATOL * np.abs(want).max(axis=1, keepdims=True)).all()
-    got, eng = logits_of(split, "cuda", 1)
-    np.testing.assert_array_equal(got, resident)
-    stats = eng.weights.experts.stats()
-    assert 0 < stats.hits < stats.lookups
-
-
 def test_one_slot_with_k8v4_cells_gives_the_all_resident_logits(copies):
     want, _ = logits_of(copies, "cuda", "auto", kv="k8v4")
     got, eng = logits_of(copies, "cuda", 1, kv="k8v4")

@@ -158,7 +158,7 @@ def test_rows_alone_on_tensor_cores(monkeypatch):
 
 
 def test_which_prompt_kernel_runs(monkeypatch):
-    """STRATA_NB_PROMPT_MMA=1 picks the tensor-core kernel where it is built; elsewhere the
+    """tensor_core.enabled() picks the tensor-core kernel where it is built; elsewhere the
     plain one runs, and asking for it outright is an error that says why."""
     assert mma_prompt.usable(HEAD_DIM) == ""
     assert "head_dim 128" in mma_prompt.usable(128)
@@ -209,7 +209,7 @@ def test_the_backends_say_which_prompt_kernel_runs(monkeypatch):
 
 @pytest.mark.sim_engine  # the tiny model's 10-token prefill on both engines: ~9 s under the simulator
 def test_a_prefill_on_tensor_cores_matches_the_numpy_engine(tiny_model, monkeypatch):
-    """With STRATA_NB_PROMPT_MMA=1 the cuda engine's prompt chunk runs its matmuls and its
+    """With tensor cores on, the cuda engine's prompt chunk runs its matmuls and its
     attention on tensor cores (the attention in 2 tiles of the tiny model's 10 queries x 2
     heads), and every prompt position's logits stay within test_cuda_backend_forward's
     bound of the numpy engine's."""

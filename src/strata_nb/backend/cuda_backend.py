@@ -11,7 +11,6 @@ returns a new device array, except `add_`, which adds in place.
 """
 from __future__ import annotations
 
-import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -21,7 +20,7 @@ from numba import cuda
 from ..errors import StrataError
 from ..kernels.dense import embed, gguf_rows, matmul, matmul_mma, matvec, residual, rmsnorm, rope, swiglu
 from ..kernels.experts.expert_down import expert_down
-from ..kernels.experts.expert_gate_up import ROUTED_EXPERTS, expert_gate_up, routed_expert_gate_up
+from ..kernels.experts.expert_gate_up import expert_gate_up
 from ..kernels.experts.route import MAX_DIM, MAX_EXPERTS, MAX_USED, route
 from ..gpu import dependent_launch, fast_launch, tensor_core
 from ..gpu.geometry import SIMULATED
@@ -103,8 +102,6 @@ class CudaBackend:
         from ..kernels.attention import attention_step
         from ..kernels.step import block_scores
 
-        attention_step.merge_group()  # STRATA_NB_MERGE_GROUP, if set, is a power of two: said now, not mid-answer
-
         if cfg.n_expert and (cfg.n_expert > MAX_EXPERTS or cfg.n_expert_used > MAX_USED or cfg.d_model > MAX_DIM):
             raise StrataError(f"the cuda backend's expert kernels take at most {MAX_EXPERTS} experts, {MAX_USED} a "
                               f"token and a model dim of {MAX_DIM}; this model has {cfg.n_expert}, "
@@ -125,7 +122,7 @@ class CudaBackend:
 
     def dependent_launches(self) -> str:
         """'on' when marked kernels launch as dependent (gpu/dependent_launch.py), 'off' when
-        STRATA_NB_DEPENDENT_LAUNCH is not 1, else 'unavailable: ' and why."""
+        dependent_launch.dependent_launches(False) turned them off, else 'unavailable: ' and why."""
         if not dependent_launch.enabled():
             return "off"
         if SIMULATED:
@@ -135,8 +132,8 @@ class CudaBackend:
 
     def prompt_kernels(self, head_dim: int) -> str:
         """What a prompt chunk's matmuls and attention run on: 'tensor cores'
-        (matmul_mma.py, attention_prefill_mma.py; STRATA_NB_PROMPT_MMA=1), else 'plain'
-        (matmul.py, attention_prefill.py), with why where the variable asked for tensor cores."""
+        (matmul_mma.py, attention_prefill_mma.py; on a GPU of compute capability 8.0 and up),
+        else 'plain' (matmul.py, attention_prefill.py), with why where a GPU has none."""
         from ..kernels.attention import attention_prefill_mma
 
         if not tensor_core.enabled():
@@ -220,7 +217,7 @@ class CudaBackend:
         y = device_empty((x.shape[0], w.shape[0]), np.float32)
         if not self._tiled(x):
             matvec.matvec(x, w.raw, w.qtype, y)
-        elif self._tensor_cores():  # STRATA_NB_PROMPT_MMA=1
+        elif self._tensor_cores():  # a GPU of compute capability 8.0 and up
             matmul_mma.matmul_mma(x, w.raw, w.qtype, y)
         else:
             matmul.matmul(x, w.raw, w.qtype, y)
@@ -304,29 +301,17 @@ class CudaBackend:
         # Three launches: the router (with the norm), the chosen experts' gate|up with SwiGLU,
         # their down products added to x. The ids stay on the device, so a graph replays them.
         # The down kernel reads `ahead` (the next product's weights) into L2, as matvec does.
-        # STRATA_NB_ROUTED_GATE_UP=1: a step or a window routes inside the gate|up kernel
-        # (routed_expert_gate_up), one launch fewer; off until measured on a GPU.
         n, k, at = x.shape[0], experts.k, experts.at(layer)
         chosen, weights = device_empty((n, k), np.int32), device_empty((n, k), np.float32)
         slot_of = device_empty((n, k), np.int32)  # the router looks each chosen expert up once
         h = device_empty((n, k, experts.host_gate_up.shape[1] // 2), np.float32)
-        if routed_gate_up() and not self._tiled(x) and router.raw.shape[0] <= ROUTED_EXPERTS:
-            routed_expert_gate_up(x, norm, eps, router.raw, router.qtype, chosen, weights, slot_of, experts.res, at,
-                                  experts.lookups, experts.hits, experts.slot_gate_up, experts.host_gate_up,
-                                  experts.qtype, h, ahead=(experts.slot_down, experts.host_down))
-        else:
-            x_norm = device_empty(x.shape, np.float32)
-            route(x, norm, eps, router.raw, router.qtype, x_norm, chosen, weights, slot_of, experts.res, at,
-                  experts.lookups, experts.hits)
-            expert_gate_up(x_norm, chosen, slot_of, at, experts.slot_gate_up, experts.host_gate_up, experts.qtype, h,
-                           ahead=(experts.slot_down, experts.host_down))
+        x_norm = device_empty(x.shape, np.float32)
+        route(x, norm, eps, router.raw, router.qtype, x_norm, chosen, weights, slot_of, experts.res, at,
+              experts.lookups, experts.hits)
+        expert_gate_up(x_norm, chosen, slot_of, at, experts.slot_gate_up, experts.host_gate_up, experts.qtype, h,
+                       ahead=(experts.slot_down, experts.host_down))
         expert_down(h, chosen, weights, slot_of, at, experts.slot_down, experts.host_down, experts.qtype, x,
                     ahead=_rows(ahead))
         return x
     # --8<-- [end:cuda_ops]
-
-
-def routed_gate_up() -> bool:
-    """STRATA_NB_ROUTED_GATE_UP=1: decode steps route inside the gate|up kernel."""
-    return os.environ.get("STRATA_NB_ROUTED_GATE_UP", "0") == "1"
 

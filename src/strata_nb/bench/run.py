@@ -18,7 +18,6 @@ import numpy as np
 
 from ..engine.engine import spec_counts
 from ..errors import StrataError
-from ..kernels.attention.attention_step import merge_group
 from ..kv.plan import StreamPlan
 from ..kv_layout import BLOCK, token_bytes
 from ..probes import DEGENERATE, loop_score, repetition_score
@@ -234,8 +233,6 @@ def bench(base, text: str, formats: list[str], streamed_formats: list[str], dept
               "prompt_replayed": bool(chunks is not None and chunks.use_graph),
               # marked kernels launched while the one before runs (gpu/dependent_launch.py)
               "dependent_launches": base.be.dependent_launches(),
-              # the step attention's splits per merge group (attention_step.py), 0 = one merge
-              "merge_group": merge_group() if base.be.name == "cuda" else None,
               # prompt chunks' matmuls and attention: plain or on tensor cores (gpu/tensor_core.py)
               "prompt_kernels": base.be.prompt_kernels(base.config.head_dim)}
     if result["dependent_launches"] not in ("off", "no GPU"):

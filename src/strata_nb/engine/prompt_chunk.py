@@ -33,7 +33,9 @@ BLAS makes no such promise, so its conversation cache resumes at whole chunks
 
 Without a GPU (the simulator) or with --no-graph, the same launches run one by one; the
 tests check them against the host path and the numpy backend.
-`STRATA_NB_DEVICE_PROMPT=1` turns this path on; it is off until measured on a GPU.
+`STRATA_NB_DEVICE_PROMPT=1` turns this path on. It is off by default: on a GPU it
+prefills a short prompt several times faster than the host path, and a long one
+slower (CHANGELOG.md, 2026-12-05).
 """
 from __future__ import annotations
 

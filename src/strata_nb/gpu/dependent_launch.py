@@ -33,16 +33,16 @@ dependent one waits for it whole. On an older GPU the instructions compile to no
 (NVVM's `__nvvm_reflect("__CUDA_ARCH")`); under the simulator they are Python no-ops,
 since it runs one launch after another anyway.
 
-`STRATA_NB_DEPENDENT_LAUNCH=1` turns it on; it is off until measured on a GPU.
+It is on wherever the GPU and cuda.core have it; `dependent_launches(False)` turns it
+off within a process, for an A/B whose two sides give the same bits.
 """
 from __future__ import annotations
 
-import os
 from contextlib import contextmanager
 
 from strata_nb.gpu.geometry import SIMULATED
 
-_ON = os.environ.get("STRATA_NB_DEPENDENT_LAUNCH", "0") == "1"
+_ON = True
 
 
 def enabled() -> bool:

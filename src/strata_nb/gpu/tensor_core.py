@@ -41,12 +41,12 @@ products agree with it to float32's precision, not bit for bit.
 
 Needs compute capability 8.0 (`available`); the kernels that use it check first. Prompt
 chunks use them (the matmul, kernels/dense/matmul_mma.py; the attention,
-kernels/attention/attention_prefill_mma.py) when `STRATA_NB_PROMPT_MMA=1` (`enabled`):
-off until measured on a GPU.
+kernels/attention/attention_prefill_mma.py) on every GPU that has them (`enabled`).
+Under the simulator, whose emulation above is slow, the plain kernels run unless a test
+turns them on (`_ON`).
 """
 from __future__ import annotations
 
-import os
 import threading
 
 import numpy as np
@@ -85,12 +85,14 @@ def mma_ref(fragments: np.ndarray) -> np.ndarray:
     return d[_INDEX["c"]].astype(np.float32)
 
 
-_ON = os.environ.get("STRATA_NB_PROMPT_MMA", "0") == "1"
+# One value a process: cells computed on tensor cores and on the CUDA cores differ in
+# their last bits, so a process must not switch between them mid-cache.
+_ON = not SIMULATED
 
 
 def enabled() -> bool:
     """Whether prompt chunks run their matmuls and attention on tensor cores where they
-    can (STRATA_NB_PROMPT_MMA=1)."""
+    can (on a GPU; under the simulator where a test asks)."""
     return _ON
 
 

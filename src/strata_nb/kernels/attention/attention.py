@@ -182,7 +182,7 @@ def ordered_rows(blocks: np.ndarray) -> bool:
 def attention(fmt, q, q_pos, blocks, page_table, pool, host, out, rotate_out: bool = False,
               per_split: int | None = None, combine_groups: int = COMBINE_GROUPS, tile: int | None = None,
               ordered: bool | None = None, plain: bool = False, rows_alone: bool = False,
-              merge_group: int | None = None, mma: bool | None = None):
+              mma: bool | None = None):
     """Like attention_ref, on the device; NumPy arguments are moved (out written back).
 
     One query per thread block (a decode step, a verify window, queries whose selections
@@ -199,10 +199,9 @@ def attention(fmt, q, q_pos, blocks, page_table, pool, host, out, rotate_out: bo
     as unordered; True for a device list is the caller's word (a step's list); False
     turns the shortcut off. rows_alone: a prompt chunk's query gets the same bits
     whatever chunk it comes in, and however far the shared row of blocks reaches
-    (attention_prompt says how). merge_group: the step kernel's splits per merge group
-    (attention_step.merge_group: None = the environment's, 0 = one merge). mma: a prompt
-    chunk's tiles run the tensor-core kernel (attention_prefill_mma.py) instead; None =
-    where STRATA_NB_PROMPT_MMA=1 asks for it and it can run, True = it must."""
+    (attention_prompt says how). mma: a prompt chunk's tiles run the tensor-core kernel
+    (attention_prefill_mma.py) instead; None = where tensor_core.enabled() and it can
+    run, True = it must."""
     assert not plain or per_split is None, "the plain kernel has no splits"
     check_format(fmt, FORMATS)
     expect("q", q, np.float32, (None, None, None))
@@ -249,8 +248,7 @@ def attention(fmt, q, q_pos, blocks, page_table, pool, host, out, rotate_out: bo
             if plain:
                 attention_step1(fmt, args, sides, dev.write(out), rotate_out)
             else:
-                attention_step(fmt, n_kv, args, sides, dev.write(out), rotate_out, per_split, bool(ordered),
-                               merge_group)
+                attention_step(fmt, n_kv, args, sides, dev.write(out), rotate_out, per_split, bool(ordered))
             return
         # the tensor-core kernel by keyword only, so an older attention_prompt still runs
         # the plain one (tools/kernel_ab.py times a launcher from another revision)

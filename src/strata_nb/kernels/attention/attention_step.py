@@ -35,17 +35,6 @@ next launch or graph replay. One (query, KV head)'s records fill whole 128-byte 
 (RECORD_PAD), so the merging block cannot hold another group's line in its L1 from an
 earlier read: its loads see what the other blocks wrote.
 
-Merging in groups (`grouped`, STRATA_NB_MERGE_GROUP: splits per group). Deep in a
-context a (query, KV head) has many splits (128 at 8K cells), and the one block that
-merges them all runs alone after every split is done: a serial tail.
-In groups, the last split of each group of 2**k merges that group's records into a group
-record while other splits still work, and the last group to finish merges the group
-records: the tail reads a record per group, not per split. A group holds whole rounds of
-the merge's loads (at least LANES * MERGE_UNROLL splits, so no load needs a bound check,
-which would cost the kernel registers and blocks an SM), and the group records are padded to whole rounds
-with empty records made once (`group_scratch`). The merge order differs from one merge's,
-so the bits do too; both are within the tolerance of the reference.
-
 A lone split. Near an empty context only the first split sees a cell (a replayed step
 lists every block of the cache). When the list is ordered (ascending, -1 padding at the
 end: every list the engine makes) and its column just after the first split is unseen,
@@ -67,16 +56,14 @@ softmax cell by cell or split by split, the merge) and in exp.
 from __future__ import annotations
 
 import math
-import os
 
 import numpy as np
 from numba import cuda, float32, int32
 
 from strata_nb.kernels.kv.hadamard import fwht64_rows, hadamard
 from strata_nb.kernels.kv.kv_readers import READERS, SIDES
-from strata_nb.errors import StrataError
 from strata_nb.gpu.dependent_launch import let_next_start, wait_for_inputs, waits_for_inputs
-from strata_nb.gpu.launch import Capture, device_empty, last_to_arrive, stream, ticket_counters
+from strata_nb.gpu.launch import device_empty, last_to_arrive, stream, ticket_counters
 from strata_nb.gpu.geometry import MERGE_UNROLL, STEP_THREADS
 from strata_nb.gpu.reduce import WARP, warp_max, warp_sum
 from strata_nb.kv_layout import BLOCK
@@ -227,15 +214,13 @@ def attention_step1(fmt, args, sides, out, rotate_out: bool):
 
 
 # --8<-- [start:attention_step_kernel]
-def make_attention_step_kernel(read_k, read_v, G, D, per_split, grouped=False):
+def make_attention_step_kernel(read_k, read_v, G, D, per_split):
     """The kernel for one format (how it reads a column of K and of V: kv_readers.py), G
     query heads per KV head, head_dim D and `per_split` selected blocks per split. All
     are compiled in, with the block's thread count: the loops over heads unroll and a
     thread's G sums live in registers, and every index is divided by a constant. (Numba
     does integer arithmetic in 64 bits; a division by a value known only at run time,
-    a loop's trip count over a runtime stride included, is a long software routine.)
-    grouped: the splits merge in groups of 2**group_shift first (the module docstring);
-    a kernel of its own, so the one-merge kernel carries none of its code or registers."""
+    a loop's trip count over a runtime stride included, is a long software routine.)"""
     LANES = split_lanes(D, G)
     N_THREADS = STEP_THREADS
     N_WARPS = N_THREADS // WARP
@@ -357,9 +342,6 @@ def make_attention_step_kernel(read_k, read_v, G, D, per_split, grouped=False):
                               host_ka, host_kb, host_va, host_vb,  # the same by logical block, or (0, ...)
                               records,     # (Q, n_kv, n_splits, G, record_width(D)) float32 scratch
                               arrivals,    # (Q, n_kv) int32: 0 before the launch, 0 after it
-                              group_shift,  # int32 (grouped): groups of 2**group_shift splits merge first
-                              group_records,   # (Q, n_kv, groups padded, G, record_width(D)) float32 (group_scratch)
-                              group_arrivals,  # (Q, n_kv, groups) int32: 0 before the launch, 0 after it
                               out):        # (Q, G * n_kv, D) float32, written
         # A dependent launch may have started it early: q, the list and the cells are the
         # kernels' before it (gpu/dependent_launch.py)
@@ -521,30 +503,11 @@ def make_attention_step_kernel(read_k, read_v, G, D, per_split, grouped=False):
         write_record(dots, top, total, seen_any, records, i, kv_h, split, t)
         # --8<-- [end:step_record]
         # --8<-- [start:step_tickets]
-        # The tickets. One merge: the block that draws the last of the (query, KV head)'s
-        # merges every record. In groups (group_shift > 0): the last of each group of
-        # 2**group_shift splits merges its group's records into a group record, and the
-        # last of those mergers merges the group records. The groups' merges run while
-        # other splits still work, and the last merge reads a record per group, not per split.
+        # The ticket: the block that draws the last of the (query, KV head)'s merges every record.
         split_w = k_tile  # the tiles are done with: record s's weight for head g at [g * count + s]
-        if not grouped:
-            if last_to_arrive(arrivals, (i, kv_h), n_splits) == 0:
-                return
-            merge_records(records, i, kv_h, 0, n_splits, split_w, top, total, seen_end, dots, ahead, acc, t)
-        else:
-            mine = split >> group_shift
-            members = min(1 << group_shift, n_splits - (mine << group_shift))  # whole merge rounds
-            if last_to_arrive(group_arrivals, (i, kv_h, mine), members) == 0:
-                return
-            merge_records(records, i, kv_h, mine << group_shift, members, split_w, top, total, seen_end, dots, ahead,
-                          acc, t)
-            write_record(dots, top, total, 1, group_records, i, kv_h, mine, t)
-            n_groups = (n_splits + (1 << group_shift) - 1) >> group_shift
-            if last_to_arrive(arrivals, (i, kv_h), n_groups) == 0:
-                return
-            # the group records padded to whole merge rounds with empty ones (group_scratch)
-            merge_records(group_records, i, kv_h, 0, group_records.shape[2], split_w, top, total, seen_end, dots,
-                          ahead, acc, t)
+        if last_to_arrive(arrivals, (i, kv_h), n_splits) == 0:
+            return
+        merge_records(records, i, kv_h, 0, n_splits, split_w, top, total, seen_end, dots, ahead, acc, t)
         write_output(dots, total, weights, out, i, kv_h, t, rotate)
         # --8<-- [end:step_tickets]
 
@@ -555,49 +518,17 @@ def make_attention_step_kernel(read_k, read_v, G, D, per_split, grouped=False):
 # One kernel per (format, G, head_dim, blocks per split), made at import so a sm_90
 # compile can find them; Numba compiles each on its first launch.
 SPLIT_CHOICES = (1, 2, 4)  # blocks per split a launch may ask for (and the tiles hold)
-STEP_KERNELS = {(fmt, g, d, n, grouped): make_attention_step_kernel(READERS[k], READERS[v], g, d, n, grouped)
+STEP_KERNELS = {(fmt, g, d, n): make_attention_step_kernel(READERS[k], READERS[v], g, d, n)
                 for fmt, (k, v) in SIDES.items() for g in range(1, MAX_GROUP + 1) for d in HEAD_DIMS
-                for n in SPLIT_CHOICES if n <= split_fits(d) for grouped in (False, True)}
-
-_GROUP_SCRATCH: dict = {}
+                for n in SPLIT_CHOICES if n <= split_fits(d)}
 
 
-def group_scratch(n_q: int, n_kv: int, n_groups: int, group: int, head_dim: int):
-    """The group records of a merge in groups, kept from launch to launch, one per shape:
-    the n_groups real groups' records (each launch writes them; NaN before the first) and,
-    up to whole merge rounds, empty ones (sums 0, max -inf, sum 0) that no launch writes
-    and every merge weighs 0. Made before any graph capture uses it, as ticket counters are."""
-    unit = split_lanes(head_dim, group) * MERGE_UNROLL
-    padded = -(-n_groups // unit) * unit
-    key = (n_q, n_kv, n_groups, group, head_dim)
-    if key not in _GROUP_SCRATCH:
-        assert Capture.keep is None, "the step attention's group records are made before a graph capture, not during"
-        scratch = np.full((n_q, n_kv, padded, group, record_width(head_dim)), np.nan, np.float32)
-        scratch[:, :, n_groups:] = 0.0
-        scratch[:, :, n_groups:, :, head_dim] = NEG_INF
-        _GROUP_SCRATCH[key] = cuda.to_device(scratch)
-    return _GROUP_SCRATCH[key]
-
-
-def merge_group() -> int:
-    """Splits per merge group (a power of two; 0 = one merge of every split): the
-    STRATA_NB_MERGE_GROUP environment variable, 0 unless set (not yet timed on a GPU)."""
-    value = os.environ.get("STRATA_NB_MERGE_GROUP", "0")
-    group = int(value) if value.isdigit() else -1
-    if group < 0 or group & (group - 1) or group == 1:
-        raise StrataError(f"STRATA_NB_MERGE_GROUP is {value!r}: a power of two of at least 2, or 0 for one merge")
-    return group
-
-
-def attention_step(fmt, n_kv, args, sides, out, rotate_out: bool, per_split: int | None, ordered: bool = False,
-                   merge: int | None = None):
+def attention_step(fmt, n_kv, args, sides, out, rotate_out: bool, per_split: int | None, ordered: bool = False):
     """Launch the step kernel; attention() has checked the arrays and moved them.
     args: (q, q_pos, blocks, page_table, scale), sides: the eight pool and host arrays
     (attention.py: side_arrays), out: the device output. per_split None = the default.
     ordered: every row of blocks ascends with its -1 padding at the end, so a query whose
-    cells all lie in its first split skips the merge (the kernel's lone split).
-    merge: splits per merge group, a power of two (None = merge_group(); 0, or at least
-    the splits, = one merge)."""
+    cells all lie in its first split skips the merge (the kernel's lone split)."""
     q, blocks = args[0], args[2]
     n_q, n_heads, head_dim = q.shape
     group = n_heads // n_kv
@@ -610,15 +541,6 @@ def attention_step(fmt, n_kv, args, sides, out, rotate_out: bool, per_split: int
     n_splits = padded_splits(blocks.shape[1], per_split, head_dim, group)
     assert group * n_splits <= K_TILE_VALUES, f"{n_splits} splits: raise per_split for the merge's weights"
     records = device_empty((n_q, n_kv, n_splits, group, record_width(head_dim)), np.float32)
-    per_group = merge_group() if merge is None else merge
-    if per_group:  # a group holds whole rounds of the merge (merge_records)
-        per_group = max(per_group, split_lanes(head_dim, group) * MERGE_UNROLL)
-    grouped = 0 < per_group < n_splits
-    shift = per_group.bit_length() - 1 if grouped else 0
-    n_groups = -(-n_splits >> shift) if grouped else 1
-    group_records = (group_scratch(n_q, n_kv, n_groups, group, head_dim) if grouped
-                     else device_empty((0, 0, 0, group, record_width(head_dim)), np.float32))
-    STEP_KERNELS[fmt, group, head_dim, per_split, grouped][(n_q, n_kv, n_splits), STEP_THREADS, stream()](
+    STEP_KERNELS[fmt, group, head_dim, per_split][(n_q, n_kv, n_splits), STEP_THREADS, stream()](
         *args, np.int32(ordered), np.int32(rotate_out), *sides, records,
-        ticket_counters("attention_step", (n_q, n_kv)), np.int32(shift), group_records,
-        ticket_counters("attention_step_groups", (n_q, n_kv, n_groups)), out)
+        ticket_counters("attention_step", (n_q, n_kv)), out)

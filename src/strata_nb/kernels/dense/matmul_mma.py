@@ -21,8 +21,8 @@ that were compiled).
 
 Precision: each output is a float32 sum over k, in blocks of 8 products summed by the
 tensor core, within the same bound as the fast kernel's (matvec.dot_tolerance); the
-bits differ from it, so a process uses one or the other (gpu/tensor_core.enabled,
-STRATA_NB_PROMPT_MMA, switches this kernel and the prompt attention's together).
+bits differ from it, so a process uses one or the other (gpu/tensor_core.enabled
+switches this kernel and the prompt attention's together).
 """
 from __future__ import annotations
 

@@ -24,18 +24,17 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import cuda, float32, int32, uint32
+from numba import cuda, float32, uint32
 
 from strata_nb.gpu.dependent_launch import let_next_start, wait_for_inputs, waits_for_inputs
 from strata_nb.gpu.geometry import EXPERT_WARPS
 from strata_nb.gpu.launch import DeviceArgs, absent, expect, stream, view_bytes
 from strata_nb.gpu.reduce import WARP, warp_sum
-from strata_nb.kernels.dense.gguf_rows import PART, PARTS, QK, QTYPES, part_runs, weight_views
+from strata_nb.kernels.dense.gguf_rows import PART, PARTS, QK, QTYPES, part_runs
 from strata_nb.kernels.dense.matvec import dot_tolerance, product_ref
 from strata_nb.kernels.dense.matvec_fused import AHEAD, MAX_ROWS, SECTOR
 from strata_nb.kernels.dense.swiglu import swiglu_ref
-from strata_nb.kernels.experts.expert_rows import MAX_USED, expert_views, make_expert_part
-from strata_nb.kernels.experts.route import MAX_EXPERTS, expect_route, make_route_token, record_choice, route_ref
+from strata_nb.kernels.experts.expert_rows import expert_views, make_expert_part
 
 
 # --8<-- [start:expert_gate_up_ref]
@@ -57,11 +56,9 @@ def expert_gate_up_ref(x_norm,   # (T, D) float32
         h[tokens, place] = out
 
 
-def gate_up_tolerance(x_norm, chosen, gate_up_of, prologue_rtol=0.0):
+def gate_up_tolerance(x_norm, chosen, gate_up_of):
     """(T, K, F) float64 bound on |kernel - reference| (module docstring); gate_up_of(e)
-    is expert e's (2F, D) float32 matrix. prologue_rtol: how far (relatively) a kernel's
-    own normed row may be from x_norm (the routed kernel's), which adds prologue_rtol
-    sum_i |x_norm_i| |w_i| to each dot's bound (as matvec's fused_tolerance)."""
+    is expert e's (2F, D) float32 matrix."""
     t_, k = chosen.shape
     f = gate_up_of(int(chosen[0, 0])).shape[0] // 2
     bound = np.empty((t_, k, f))
@@ -69,50 +66,46 @@ def gate_up_tolerance(x_norm, chosen, gate_up_of, prologue_rtol=0.0):
         for r in range(k):
             w = gate_up_of(int(chosen[t, r]))
             y = (x_norm[t:t + 1].astype(np.float64) @ w.T.astype(np.float64))[0]
-            dy = dot_tolerance(x_norm[t:t + 1], w)[0] + prologue_rtol * (np.abs(x_norm[t].astype(np.float64)) @
-                                                                         np.abs(w.T.astype(np.float64)))
+            dy = dot_tolerance(x_norm[t:t + 1], w)[0]
             g, u, dg, du = y[:f], y[f:], dy[:f], dy[f:]
             silu = np.abs(g / (1 + np.exp(-g)))
             bound[t, r] = 1.1 * dg * (np.abs(u) + du) + silu * du + 16 * 2.0 ** -24 * silu * np.abs(u) + 1e-30
     return bound
-
-
-def routed_expert_gate_up_ref(x, norm, eps, router, chosen, weights, slot_of, res, at, lookups, hits, slots, host, h):
-    """The routed kernel's spec: route_ref, then expert_gate_up_ref on its normed row."""
-    x_norm = np.empty_like(x)
-    route_ref(x, norm, eps, router, x_norm, chosen, weights, slot_of, res, at, lookups, hits)
-    expert_gate_up_ref(x_norm, chosen, res, at, slots, host, h)
-    return x_norm
 # --8<-- [end:expert_gate_up_ref]
 
 
 # --8<-- [start:expert_gate_up_kernel]
-def make_gate_up_row(part, nibbles, normed: bool):
-    """A warp's gate row j and up row F + j of one chosen expert, dotted with the token's
-    row, SwiGLU'd into h: the body both gate|up kernels share. normed: the row is x and
-    norm, multiplied as they are read, and the dots are scaled by 1 / rms at the end (the
-    routed kernel's input, as matvec's normed kernels take theirs); else it is x_norm."""
+def make_expert_gate_up_kernel(part, nibbles):
     expert_part = make_expert_part(part)
 
     @cuda.jit(device=True)
-    def part_dot(w, xs, norm, t, blk, p):
-        """(part p of block blk of a row) . (the same values of the token's row)"""
+    def part_dot(w, x_norm, t, blk, p):
+        """(part p of block blk of a row) . (the same values of the token's normed row)"""
         lo, hi = part_runs(nibbles, p)
         lo, hi = blk * QK + lo, blk * QK + hi
         acc = float32(0.0)
         for i in range(4):
-            if normed:
-                acc += w[i] * (xs[t, lo + i] * norm[lo + i]) + w[4 + i] * (xs[t, hi + i] * norm[hi + i])
-            else:
-                acc += w[i] * xs[t, lo + i] + w[4 + i] * xs[t, hi + i]
+            acc += w[i] * x_norm[t, lo + i] + w[4 + i] * x_norm[t, hi + i]
         return acc
 
-    @cuda.jit(device=True)
-    def gate_up_row(xs, norm, scale, t, r, slot, index, slot_a, slot_b, host_a, host_b, h, down_slots, down_host,
-                    ahead_out):
+    @cuda.jit(cache=True)
+    def expert_gate_up_kernel(x_norm,           # (T, D) float32
+                              chosen,           # (T, K) int32
+                              slot_of, at,      # (T, K) int32: route's lookups; int32: layer * E
+                              slot_a, slot_b,   # (N, 2F, *) views of the slot pool
+                              host_a, host_b,   # (L * E, 2F, *) views of the host copy
+                              h,                # (T, K, F) float32, written
+                              down_slots,       # (N, bytes) uint8: the slot pool's down matrices, flat
+                              down_host,        # (L * E, bytes) uint8: the host copy's; (0, 0) = no read ahead
+                              ahead_out):       # (threads of the grid,) uint32: what each read ahead, or (0,)
+        wait_for_inputs()
+        let_next_start()  # a dependent launch: gpu/dependent_launch.py
         lane, warp = cuda.threadIdx.x % WARP, cuda.threadIdx.x // WARP
         j = cuda.blockIdx.x * (cuda.blockDim.x // WARP) + warp  # gate row j and up row F + j
-        f, d = h.shape[2], xs.shape[1]
+        t, r = cuda.blockIdx.y // chosen.shape[1], cuda.blockIdx.y % chosen.shape[1]
+        f, d = h.shape[2], x_norm.shape[1]
+        index = at + chosen[t, r]
+        slot = slot_of[t, r]  # where this expert's rows are read from: route looked it up
         # Ahead (matvec_fused.py, "Reading ahead"): the thread blocks of this choice read the
         # first byte of each 32-byte sector of the expert's down matrix, AHEAD sectors a
         # thread, so expert_down finds it in L2. Only for a step or a window (T <= MAX_ROWS):
@@ -147,12 +140,12 @@ def make_gate_up_row(part, nibbles, normed: bool):
                 if q1 < n:
                     expert_part(slot_a, slot_b, host_a, host_b, slot, index, j, blk1, p1, g1)
                     expert_part(slot_a, slot_b, host_a, host_b, slot, index, f + j, blk1, p1, u1)
-                gate += part_dot(g0, xs, norm, t, blk0, p0)
-                up += part_dot(u0, xs, norm, t, blk0, p0)
+                gate += part_dot(g0, x_norm, t, blk0, p0)
+                up += part_dot(u0, x_norm, t, blk0, p0)
                 if q1 < n:
-                    gate += part_dot(g1, xs, norm, t, blk1, p1)
-                    up += part_dot(u1, xs, norm, t, blk1, p1)
-        gate, up = warp_sum(gate) * scale, warp_sum(up) * scale  # every warp: a barrier under the simulator
+                    gate += part_dot(g1, x_norm, t, blk1, p1)
+                    up += part_dot(u1, x_norm, t, blk1, p1)
+        gate, up = warp_sum(gate), warp_sum(up)  # every warp calls them: a barrier under the simulator
         if lane == 0 and j < f:
             h[t, r, j] = gate / (float32(1.0) + math.exp(-gate)) * up
         read = uint32(0)  # the bytes read ahead are used, or the compiler would drop their loads
@@ -161,86 +154,12 @@ def make_gate_up_row(part, nibbles, normed: bool):
         if ahead_out.size > 0:
             ahead_out[cuda.blockIdx.y * cuda.gridDim.x * cuda.blockDim.x + g] = read
 
-    return gate_up_row
-
-
-def make_expert_gate_up_kernel(part, nibbles):
-    gate_up_row = make_gate_up_row(part, nibbles, normed=False)
-
-    @cuda.jit(cache=True)
-    def expert_gate_up_kernel(x_norm,           # (T, D) float32
-                              chosen,           # (T, K) int32
-                              slot_of, at,      # (T, K) int32: route's lookups; int32: layer * E
-                              slot_a, slot_b,   # (N, 2F, *) views of the slot pool
-                              host_a, host_b,   # (L * E, 2F, *) views of the host copy
-                              h,                # (T, K, F) float32, written
-                              down_slots,       # (N, bytes) uint8: the slot pool's down matrices, flat
-                              down_host,        # (L * E, bytes) uint8: the host copy's; (0, 0) = no read ahead
-                              ahead_out):       # (threads of the grid,) uint32: what each read ahead, or (0,)
-        wait_for_inputs()
-        let_next_start()  # a dependent launch: gpu/dependent_launch.py
-        t, r = cuda.blockIdx.y // chosen.shape[1], cuda.blockIdx.y % chosen.shape[1]
-        # where this expert's rows are read from: route looked it up
-        gate_up_row(x_norm, x_norm[0], float32(1.0), t, r, slot_of[t, r], at + chosen[t, r], slot_a, slot_b, host_a,
-                    host_b, h, down_slots, down_host, ahead_out)
-
     return waits_for_inputs(expert_gate_up_kernel)
 
 
 EXPERT_GATE_UP_KERNELS = {qtype: make_expert_gate_up_kernel(part, nibbles)
                           for qtype, (part, _, _, nibbles) in QTYPES.items()}
 # --8<-- [end:expert_gate_up_kernel]
-
-
-# --8<-- [start:routed_gate_up_kernel]
-def make_routed_gate_up_kernel(router_part, router_nibbles, part, nibbles):
-    """route and expert_gate_up in one launch, for a decode step or a verify window. The
-    expert kernels cannot start before the router has chosen, so a separate router is a
-    launch of its own on the step's critical path: one thread block's chain of loads and
-    barriers, and the gap between two launches. Here every thread block of a token routes
-    it itself (route.py's route_token: E router rows of D values, a few KiB from L2), then
-    works on the expert its choice r names. The first thread block of each token writes
-    the choice for expert_down and counts it, as the router does; the rest only read it
-    from their own shared memory. A prompt chunk keeps the two launches: its thread blocks
-    would route each token F / 4 times over."""
-    route_token = make_route_token(router_part, router_nibbles)
-    gate_up_row = make_gate_up_row(part, nibbles, normed=True)
-
-    @cuda.jit(cache=True)
-    def routed_gate_up_kernel(x, norm, eps, ra, rb,            # as route_kernel's
-                              chosen, weights, slot_of,         # (T, K): written, as route_kernel writes them
-                              res, at, lookups, hits,           # as route_kernel's
-                              slot_a, slot_b, host_a, host_b,   # as expert_gate_up_kernel's
-                              h, down_slots, down_host, ahead_out):
-        wait_for_inputs()
-        let_next_start()  # a dependent launch: gpu/dependent_launch.py
-        k = chosen.shape[1]
-        t, r = cuda.blockIdx.y // k, cuda.blockIdx.y % k
-        p = cuda.shared.array(MAX_EXPERTS, float32)  # (E,) logits
-        ex = cuda.shared.array(MAX_EXPERTS, float32)  # (E,) exp(logit - max)
-        probs = cuda.shared.array(MAX_EXPERTS, float32)  # (E,) the probabilities
-        picked = cuda.shared.array(MAX_USED, int32)  # (K,) the chosen ids, most probable first
-        picked_p = cuda.shared.array(MAX_USED, float32)  # (K,) their probabilities
-        picked_slot = cuda.shared.array(MAX_USED, int32)  # (K,) their slots
-        inv = route_token(x, norm, eps, ra, rb, t, res, at, k, p, ex, probs, picked, picked_p, picked_slot)
-        if cuda.blockIdx.x == 0 and r == 0 and cuda.threadIdx.x < k:
-            record_choice(t, cuda.threadIdx.x, picked, picked_p, picked_slot, chosen, weights, slot_of, at, lookups,
-                          hits)
-        gate_up_row(x, norm, inv, t, r, picked_slot[r], at + picked[r], slot_a, slot_b, host_a, host_b, h, down_slots,
-                    down_host, ahead_out)
-
-    return waits_for_inputs(routed_gate_up_kernel)
-
-
-ROUTED_EXPERTS = EXPERT_WARPS * WARP  # E at most: the routed kernel's thread blocks have a thread per expert
-
-
-# (router type, expert type) -> kernel; made at import, as every kernel here is, so the
-# sm_90 check (tests/test_ptx_sm90.py) finds the one a launch used
-ROUTED_GATE_UP_KERNELS = {(router_qtype, qtype): make_routed_gate_up_kernel(router_part, router_nibbles, part, nibbles)
-                          for router_qtype, (router_part, _, _, router_nibbles) in QTYPES.items()
-                          for qtype, (part, _, _, nibbles) in QTYPES.items()}
-# --8<-- [end:routed_gate_up_kernel]
 
 
 def expert_gate_up(x_norm, chosen, slot_of, at, slots, host, qtype, h, ahead=None, ahead_out=None):
@@ -260,52 +179,22 @@ def expert_gate_up(x_norm, chosen, slot_of, at, slots, host, qtype, h, ahead=Non
     if n == 0 or f == 0:
         return
     with DeviceArgs() as dev:
+        slot_a, slot_b = expert_views("slots", dev.read(slots), qtype, 2 * f, d)
+        host_a, host_b = expert_views("host", dev.read(host), qtype, 2 * f, d)
         grid = (-(-f // EXPERT_WARPS), n * k)
-        experts = expert_arrays(dev, slots, host, qtype, f, d, grid, ahead, ahead_out)
+        if ahead is None:
+            down_slots = down_host = absent((0, 0), np.uint8)
+        else:
+            for a in ahead:
+                expect("ahead", a, np.uint8, (None, None, None))
+            # each expert's matrix as one row of bytes (a mapped host copy wrapped first: view_bytes)
+            down_slots, down_host = (view_bytes(dev.read(a), np.uint8).reshape(a.shape[0], a.shape[1] * a.shape[2])
+                                     for a in ahead)
+        if ahead_out is None:
+            ahead_out = absent((0,), np.uint32)
+        else:
+            expect("ahead_out", ahead_out, np.uint32, (grid[0] * grid[1] * EXPERT_WARPS * WARP,))
+            ahead_out = dev.write(ahead_out)
         EXPERT_GATE_UP_KERNELS[qtype][grid, EXPERT_WARPS * WARP, stream()](
-            dev.read(x_norm), dev.read(chosen), dev.read(slot_of), np.int32(at), *experts[:4], dev.write(h),
-            *experts[4:])
-
-
-def routed_expert_gate_up(x, norm, eps, router, router_qtype, chosen, weights, slot_of, res, at, lookups, hits,
-                          slots, host, qtype, h, ahead=None, ahead_out=None):
-    """route(...) then expert_gate_up(...) in one launch (routed_gate_up_kernel), for at
-    most MAX_ROWS tokens: route's arguments but x_norm (the experts' input is not
-    written), then expert_gate_up's but x_norm, chosen and slot_of."""
-    n, k = expect_route(x, norm, router, router_qtype, chosen, weights, slot_of, res, at, lookups, hits,
-                        EXPERT_WARPS * WARP)
-    assert n <= MAX_ROWS, f"{n} tokens: the routed kernel is for a step or a window (<= {MAX_ROWS}); a prompt chunk routes first"
-    d = x.shape[1]
-    expect("h", h, np.float32, (n, k, None))
-    f = h.shape[2]
-    if n == 0 or f == 0:
-        return
-    with DeviceArgs() as dev:
-        grid = (-(-f // EXPERT_WARPS), n * k)
-        ra, rb = weight_views(dev.read(router), router_qtype)
-        experts = expert_arrays(dev, slots, host, qtype, f, d, grid, ahead, ahead_out)
-        ROUTED_GATE_UP_KERNELS[router_qtype, qtype][grid, EXPERT_WARPS * WARP, stream()](
-            dev.read(x), dev.read(norm), np.float32(eps), ra, rb, dev.write(chosen), dev.write(weights),
-            dev.write(slot_of), dev.read(res), np.int32(at), dev.write(lookups), dev.write(hits), *experts[:4],
-            dev.write(h), *experts[4:])
-
-
-def expert_arrays(dev, slots, host, qtype, f, d, grid, ahead, ahead_out):
-    """The gate|up kernels' expert arguments, on the device: the slot pool's and the host
-    copy's two views each, then the down matrices read ahead (or empty) and ahead_out."""
-    slot_a, slot_b = expert_views("slots", dev.read(slots), qtype, 2 * f, d)
-    host_a, host_b = expert_views("host", dev.read(host), qtype, 2 * f, d)
-    if ahead is None:
-        down_slots = down_host = absent((0, 0), np.uint8)
-    else:
-        for a in ahead:
-            expect("ahead", a, np.uint8, (None, None, None))
-        # each expert's matrix as one row of bytes (a mapped host copy wrapped first: view_bytes)
-        down_slots, down_host = (view_bytes(dev.read(a), np.uint8).reshape(a.shape[0], a.shape[1] * a.shape[2])
-                                 for a in ahead)
-    if ahead_out is None:
-        ahead_out = absent((0,), np.uint32)
-    else:
-        expect("ahead_out", ahead_out, np.uint32, (grid[0] * grid[1] * EXPERT_WARPS * WARP,))
-        ahead_out = dev.write(ahead_out)
-    return slot_a, slot_b, host_a, host_b, down_slots, down_host, ahead_out
+            dev.read(x_norm), dev.read(chosen), dev.read(slot_of), np.int32(at), slot_a, slot_b, host_a, host_b,
+            dev.write(h), down_slots, down_host, ahead_out)

@@ -204,18 +204,16 @@ ROUTE_KERNELS1 = {qtype: make_route_kernel1(part, nibbles) for qtype, (part, _, 
 
 
 # --8<-- [start:route_kernel]
-def make_route_token(router_part, router_nibbles):
-    """The fast router's choice for one token, as a device function of the calling thread
-    block (route_kernel's steps 1 and 2; expert_gate_up's routed kernel calls it too):
-    every warp norms the row itself, so the logits wait for no block-wide sum, and each
-    expert's thread takes one exp, not 2 E."""
+def make_route_kernel(part, nibbles):
+    """The fast router kernel: every warp norms the row itself, so the logits wait for
+    no block-wide sum, and each expert's thread takes one exp, not 2 E."""
 
     @cuda.jit(device=True)
     def logit_terms(x, norm, t, q, w, dotted, squared, acc, squares):
         """Part q of a router row (w) against the same 8 values of x * norm, added to acc if
         dotted; those values of x squared, added to squares if squared."""
         blk, pp = q // PARTS, q % PARTS
-        lo, hi = part_runs(router_nibbles, pp)
+        lo, hi = part_runs(nibbles, pp)
         lo, hi = blk * QK + lo, blk * QK + hi
         for j in range(4):
             a, b = x[t, lo + j], x[t, hi + j]
@@ -225,15 +223,13 @@ def make_route_token(router_part, router_nibbles):
                 acc += w[j] * (a * norm[lo + j]) + w[4 + j] * (b * norm[hi + j])
         return acc, squares
 
-    @cuda.jit(device=True)
-    def route_token(x, norm, eps, ra, rb, t, res, at, k, p, ex, probs, picked, picked_p, picked_slot):
-        """Steps 1 and 2 for token t, by the calling thread block: into the shared arrays
-        picked, picked_p and picked_slot (K each) the chosen experts, most probable first,
-        their probabilities and their slots (p, ex, probs: (E,) shared scratch). Returns
-        1 / rms of the token's row. Ends with a barrier: every thread may read the picks."""
-        tid = cuda.threadIdx.x
+    @cuda.jit(cache=True)
+    def route_kernel(x, norm, eps, ra, rb, x_norm, chosen, weights, slot_of, res, at, lookups, hits):  # as route_kernel1's
+        wait_for_inputs()
+        let_next_start()  # a dependent launch: gpu/dependent_launch.py
+        t, tid = cuda.blockIdx.x, cuda.threadIdx.x
         lane, warp, n_warps = tid % WARP, tid // WARP, cuda.blockDim.x // WARP
-        d, n_expert = x.shape[1], ra.shape[0]
+        d, n_expert, k = x.shape[1], ra.shape[0], chosen.shape[1]
         n_parts = d // PART
         # Each expert's slot is looked up now, in flight with everything below: the thread of
         # expert e holds it, and hands it over if e is chosen (no lookup after the choice)
@@ -248,6 +244,7 @@ def make_route_token(router_part, router_nibbles):
         # flight before either is used (as expert_gate_up does).
         w0 = cuda.local.array(PART, float32)
         w1 = cuda.local.array(PART, float32)
+        p = cuda.shared.array(MAX_EXPERTS, float32)  # (E,) logits
         squares = float32(0.0)
         inv = float32(0.0)
         for first in range(0, n_expert, n_warps):
@@ -256,9 +253,9 @@ def make_route_token(router_part, router_nibbles):
             for q0 in range(lane, n_parts, 2 * WARP):
                 q1 = q0 + WARP
                 if e < n_expert:
-                    router_part(ra[e], rb[e], q0 // PARTS, q0 % PARTS, w0)
+                    part(ra[e], rb[e], q0 // PARTS, q0 % PARTS, w0)
                     if q1 < n_parts:
-                        router_part(ra[e], rb[e], q1 // PARTS, q1 % PARTS, w1)
+                        part(ra[e], rb[e], q1 // PARTS, q1 % PARTS, w1)
                 acc, squares = logit_terms(x, norm, t, q0, w0, e < n_expert, first == 0, acc, squares)
                 if q1 < n_parts:
                     acc, squares = logit_terms(x, norm, t, q1, w1, e < n_expert, first == 0, acc, squares)
@@ -273,12 +270,14 @@ def make_route_token(router_part, router_nibbles):
         # every thread adds in the same order: the same bits in every thread), then its
         # rank among the probabilities. One exp a thread: an exp and a division are tens of
         # instructions each, and E of them in every thread's loop cost more than two barriers.
+        ex = cuda.shared.array(MAX_EXPERTS, float32)  # (E,) exp(logit - max)
         if tid < n_expert:
             top = p[0]
             for e in range(1, n_expert):
                 top = max(top, p[e])
             ex[tid] = math.exp(p[tid] - top)
         cuda.syncthreads()
+        probs = cuda.shared.array(MAX_EXPERTS, float32)  # (E,) the probabilities
         prob = float32(0.0)
         if tid < n_expert:
             total = float32(0.0)
@@ -287,6 +286,9 @@ def make_route_token(router_part, router_nibbles):
             prob = ex[tid] / total
             probs[tid] = prob
         cuda.syncthreads()
+        picked = cuda.shared.array(MAX_USED, int32)  # (K,) the chosen ids, most probable first
+        picked_p = cuda.shared.array(MAX_USED, float32)  # (K,) their probabilities
+        picked_slot = cuda.shared.array(MAX_USED, int32)  # (K,) their slots
         if tid < n_expert:
             rank = 0
             for o in range(n_expert):  # more probable, or as probable with a lower id
@@ -295,52 +297,20 @@ def make_route_token(router_part, router_nibbles):
             if rank < k:
                 picked[rank], picked_p[rank], picked_slot[rank] = tid, prob, my_slot
         cuda.syncthreads()
-        return inv
-
-    return route_token
-
-
-@cuda.jit(device=True)
-def record_choice(t, r, picked, picked_p, picked_slot, chosen, weights, slot_of, at, lookups, hits):
-    """Token t's choice r (of K, from route_token's picks) written for the expert kernels,
-    its weight renormalized over the K, and counted for the cache: a lookup, and a hit if
-    the expert is in a slot."""
-    k = chosen.shape[1]
-    e = picked[r]
-    kept = float32(0.0)  # the K probabilities' sum, in rank order
-    for i in range(k):
-        kept += picked_p[i]
-    chosen[t, r] = e
-    weights[t, r] = picked_p[r] / kept
-    slot_of[t, r] = picked_slot[r]
-    cuda.atomic.add(lookups, at + e, int32(1))
-    if picked_slot[r] >= 0:
-        cuda.atomic.add(hits, at + e, int32(1))
-
-
-def make_route_kernel(router_part, router_nibbles):
-    """The fast router kernel: one thread block a token, route_token's choice, then the
-    writes."""
-    route_token = make_route_token(router_part, router_nibbles)
-
-    @cuda.jit(cache=True)
-    def route_kernel(x, norm, eps, ra, rb, x_norm, chosen, weights, slot_of, res, at, lookups, hits):  # as route_kernel1's
-        wait_for_inputs()
-        let_next_start()  # a dependent launch: gpu/dependent_launch.py
-        t, tid = cuda.blockIdx.x, cuda.threadIdx.x
-        d, k = x.shape[1], chosen.shape[1]
-        p = cuda.shared.array(MAX_EXPERTS, float32)  # (E,) logits
-        ex = cuda.shared.array(MAX_EXPERTS, float32)  # (E,) exp(logit - max)
-        probs = cuda.shared.array(MAX_EXPERTS, float32)  # (E,) the probabilities
-        picked = cuda.shared.array(MAX_USED, int32)  # (K,) the chosen ids, most probable first
-        picked_p = cuda.shared.array(MAX_USED, float32)  # (K,) their probabilities
-        picked_slot = cuda.shared.array(MAX_USED, int32)  # (K,) their slots
-        inv = route_token(x, norm, eps, ra, rb, t, res, at, k, p, ex, probs, picked, picked_p, picked_slot)
         # 3. The writes and the cache's counting, one thread per chosen expert, in parallel;
         # meanwhile the other threads write the experts' input for expert_gate_up (a
         # strided share of the row each, from values still in L1)
         if tid < k:
-            record_choice(t, tid, picked, picked_p, picked_slot, chosen, weights, slot_of, at, lookups, hits)
+            e = picked[tid]
+            kept = float32(0.0)  # the K probabilities' sum, in rank order
+            for r in range(k):
+                kept += picked_p[r]
+            chosen[t, tid] = e
+            weights[t, tid] = picked_p[tid] / kept
+            slot_of[t, tid] = picked_slot[tid]
+            cuda.atomic.add(lookups, at + e, int32(1))
+            if picked_slot[tid] >= 0:
+                cuda.atomic.add(hits, at + e, int32(1))
         else:
             j = tid - k
             while j < d:
@@ -358,8 +328,21 @@ def route(x, norm, eps, raw, qtype, x_norm, chosen, weights, slot_of, res, at, l
     """Like route_ref, on the device, with the router as its GGUF rows: raw (E, bytes)
     uint8 of type qtype. NumPy arguments are moved (outputs written back). plain: run
     route_kernel1."""
-    n, _ = expect_route(x, norm, raw, qtype, chosen, weights, slot_of, res, at, lookups, hits, ROUTE_THREADS)
-    expect("x_norm", x_norm, np.float32, x.shape)
+    expect("x", x, np.float32, (None, None))
+    n, d = x.shape
+    assert d <= MAX_DIM, f"D = {d}; the router kernel holds a row of at most {MAX_DIM}"
+    expect("norm", norm, np.float32, (d,))
+    expect("raw", raw, np.uint8, (None, row_bytes(qtype, d)))
+    n_expert = raw.shape[0]
+    assert 1 <= n_expert <= min(MAX_EXPERTS, ROUTE_THREADS), \
+        f"{n_expert} experts; the router kernel holds at most {min(MAX_EXPERTS, ROUTE_THREADS)} (a thread each)"
+    expect("x_norm", x_norm, np.float32, (n, d))
+    expect("chosen", chosen, np.int32, (n, None))
+    k = chosen.shape[1]
+    assert 1 <= k <= min(n_expert, MAX_USED), f"K = {k} experts a token: 1 .. {min(n_expert, MAX_USED)}"
+    expect("weights", weights, np.float32, (n, k))
+    expect("slot_of", slot_of, np.int32, (n, k))
+    expect_table(res, at, n_expert, lookups=lookups, hits=hits)
     if n == 0:
         return
     with DeviceArgs() as dev:
@@ -367,23 +350,3 @@ def route(x, norm, eps, raw, qtype, x_norm, chosen, weights, slot_of, res, at, l
         (ROUTE_KERNELS1 if plain else ROUTE_KERNELS)[qtype][n, ROUTE_THREADS, stream()](
             dev.read(x), dev.read(norm), np.float32(eps), ra, rb, dev.write(x_norm), dev.write(chosen),
             dev.write(weights), dev.write(slot_of), dev.read(res), np.int32(at), dev.write(lookups), dev.write(hits))
-
-
-def expect_route(x, norm, raw, qtype, chosen, weights, slot_of, res, at, lookups, hits, threads: int):
-    """The router's arguments checked (a launch of `threads` a thread block routes each
-    token: a thread per expert) -> (T, K)."""
-    expect("x", x, np.float32, (None, None))
-    n, d = x.shape
-    assert d <= MAX_DIM, f"D = {d}; the router kernel holds a row of at most {MAX_DIM}"
-    expect("norm", norm, np.float32, (d,))
-    expect("raw", raw, np.uint8, (None, row_bytes(qtype, d)))
-    n_expert = raw.shape[0]
-    assert 1 <= n_expert <= min(MAX_EXPERTS, threads), \
-        f"{n_expert} experts; the router kernel holds at most {min(MAX_EXPERTS, threads)} (a thread each)"
-    expect("chosen", chosen, np.int32, (n, None))
-    k = chosen.shape[1]
-    assert 1 <= k <= min(n_expert, MAX_USED), f"K = {k} experts a token: 1 .. {min(n_expert, MAX_USED)}"
-    expect("weights", weights, np.float32, (n, k))
-    expect("slot_of", slot_of, np.int32, (n, k))
-    expect_table(res, at, n_expert, lookups=lookups, hits=hits)
-    return n, k
