@@ -88,3 +88,27 @@ def test_rows_alone_a_query_gets_its_bits_in_any_chunk(monkeypatch):
                                          PAGE_TABLE, pool, host), atol=ATOL, rtol=RTOL)
     chunk, five = outputs[False]
     assert not np.array_equal(chunk, five)
+
+
+def test_the_combine_skips_splits_that_saw_nothing():
+    """A split that saw no cell (m = -inf, l = 0) writes no V sums, and the combine does not
+    read them: NaN left in those sums must not reach the output, which must be the splits'
+    own merge (numpy). Reading them, as a weight of 0 times the sums would, gives NaN."""
+    from strata_nb.kernels.attention.attention_prefill import attention_combine_kernel
+
+    rng = np.random.default_rng(11)
+    n_q, n_heads, n_splits, d = 3, 2, 5, HEAD_DIM
+    m = rng.standard_normal((n_q, n_heads, n_splits)).astype(np.float32)
+    l = rng.uniform(0.5, 2.0, (n_q, n_heads, n_splits)).astype(np.float32)
+    acc = rng.standard_normal((n_q, n_heads, n_splits, d)).astype(np.float32)
+    empty = np.zeros((n_q, n_heads, n_splits), bool)
+    empty[0, :, 2:] = True  # query 0 reaches two splits, query 1 all, query 2 only its last
+    empty[2, :, :4] = True
+    m[empty], l[empty], acc[empty] = -np.inf, 0.0, np.nan
+    out = cuda.device_array((n_q, n_heads, d), np.float32)
+    attention_combine_kernel[(n_q, n_heads), (d, 4)](cuda.to_device(m), cuda.to_device(l), cuda.to_device(acc), out)
+    w = np.where(empty, 0.0, np.exp(m - np.where(empty, -np.inf, m).max(axis=2, keepdims=True)))
+    want = (np.nan_to_num(acc) * w[..., None]).sum(axis=2) / (l * w).sum(axis=2)[..., None]
+    got = out.copy_to_host()
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, atol=ATOL, rtol=RTOL)

@@ -306,8 +306,9 @@ def make_attention_kernel(read_k, read_v, D):
             r = ry + ROW_GROUPS * i
             if r < rows:
                 qi, h = q0 + r // G, kv_h * G + r % G
-                for dd in range(DPT):
-                    part_acc[qi, h, split, cx + COL_GROUPS * dd] = acc[i, dd]
+                if m_r[i] > NEG_INF:  # a row that saw no cell here writes no sums: the combine skips it
+                    for dd in range(DPT):
+                        part_acc[qi, h, split, cx + COL_GROUPS * dd] = acc[i, dd]
                 if cx == 0:
                     total = float32(0.0)
                     for x in range(COL_GROUPS):
@@ -327,9 +328,11 @@ def attention_combine_kernel(part_m, part_l, part_acc,  # as attention_kernel wr
                              out):  # (Q, H, D) float32, written
     # One thread block per (query, head): thread (t, g) owns dimension t and every
     # groups-th split from g (groups = blockDim.y). Rescale each split's sums to the largest max, add
-    # them up, divide. A split that saw no cell has m = -inf and l = acc = 0, so its
-    # weight exp(-inf) = 0 adds exact zeros: no branch in the loops. The groups' partial
-    # sums are added in group order, so the result does not depend on timing.
+    # them up, divide. A split that saw no cell has m = -inf and l = 0 and wrote no V
+    # sums: it is skipped, where its weight exp(-inf) = 0 would add exact zeros (the same
+    # bits; a prompt row's later splits, and a replayed chunk's whole row of blocks past
+    # its position, are such splits). The groups' partial sums are added in group order,
+    # so the result does not depend on timing.
     qi, h = cuda.blockIdx.x, cuda.blockIdx.y
     t, g = cuda.threadIdx.x, cuda.threadIdx.y
     n_splits, groups = part_m.shape[2], cuda.blockDim.y
@@ -347,9 +350,11 @@ def attention_combine_kernel(part_m, part_l, part_acc,  # as attention_kernel wr
     l, acc = float32(0.0), float32(0.0)
     if top > NEG_INF:
         for s in range(g, n_splits, groups):
-            w = math.exp(part_m[qi, h, s] - top)
-            l += part_l[qi, h, s] * w
-            acc += part_acc[qi, h, s, t] * w
+            m_s = part_m[qi, h, s]
+            if m_s > NEG_INF:  # the threads of a block agree: no divergence
+                w = math.exp(m_s - top)
+                l += part_l[qi, h, s] * w
+                acc += part_acc[qi, h, s, t] * w
     group_acc[g, t] = acc
     if t == 0:
         group_l[g] = l
@@ -404,7 +409,8 @@ def attention_prompt(fmt, n_kv, args, sides, out, rotate_out: bool, per_split: i
     rows_alone: each query's output must not depend on the chunk it came in. The splits
     are then ALONE_BLOCKS_PER_SPLIT blocks (or per_split) from block 0, however far the row
     reaches and however many queries share the launch, and the combine always has its
-    full number of thread rows; a split or a row with nothing to add adds exact zeros. A
+    full number of thread rows; a split or a row with nothing to add is skipped, as adding
+    it would add exact zeros. A
     query in a tile beside others reads the columns they see and it does not, each
     masked to a weight of exactly 0, which leaves its sums as they were."""
     q, blocks = args[0], args[2]

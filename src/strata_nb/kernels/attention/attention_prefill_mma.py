@@ -201,9 +201,10 @@ def make_attention_mma_kernel(read_k, read_v, D):
         for h in range(2):
             total = quad_sum(part[h])  # the row's sum over its 4 lanes
             if pos[h] >= 0:
-                for n in range(ND):
-                    for e in range(2):
-                        part_acc[qrow[h], qhead[h], split, uint64(n * TILE_N + e) + U2 * tq] = o[n, 2 * h + e]
+                if m[h] > NEG_INF:  # a row that saw no cell here writes no sums: the combine skips it
+                    for n in range(ND):
+                        for e in range(2):
+                            part_acc[qrow[h], qhead[h], split, uint64(n * TILE_N + e) + U2 * tq] = o[n, 2 * h + e]
                 if tq == 0:
                     part_m[qrow[h], qhead[h], split] = m[h]
                     part_l[qrow[h], qhead[h], split] = total

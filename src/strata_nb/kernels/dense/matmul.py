@@ -8,7 +8,8 @@ against rows of x) and walks `in` one quantization block (32 values) at a time, 
 weight is read from global memory once per tile of x rows, not once per row. Then the
 work is arithmetic: 2 n out in flops, which an H200's float32 units do at most at
 132 SMs x 128 lanes x 2 flops x 1.98 GHz = 67 TFLOP/s. The tensor cores are faster
-still: matmul_mma.py is this file's fast kernel with its products there (opt-in).
+still: matmul_mma.py is this file's fast kernel with its products there, what a GPU
+with tensor cores runs.
 
 Two kernels, read in this order.
 
