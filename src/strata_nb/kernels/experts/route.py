@@ -98,6 +98,23 @@ def weights_tolerance(x_norm, router):
 PRELOAD = 4  # parts of its router row a lane loads before the norm (all of them for D <= 1,024)
 
 
+@cuda.jit(device=True)
+def record_choice(t, r, slot, picked, picked_p, chosen, weights, slot_of, at, lookups, hits):
+    """Token t's choice r (of K) written for the expert kernels, its weight renormalized
+    over the K picks, and counted for the cache: a lookup, and a hit where the expert is in
+    a slot (`slot` >= 0)."""
+    e = picked[r]
+    kept = float32(0.0)  # the K probabilities' sum, in rank order
+    for i in range(chosen.shape[1]):
+        kept += picked_p[i]
+    chosen[t, r] = e
+    weights[t, r] = picked_p[r] / kept
+    slot_of[t, r] = slot
+    cuda.atomic.add(lookups, at + e, int32(1))
+    if slot >= 0:
+        cuda.atomic.add(hits, at + e, int32(1))
+
+
 def make_route_kernel1(part, nibbles):
     """The plain router kernel for one type of router row (its dequantizer `part`)."""
 
@@ -184,17 +201,7 @@ def make_route_kernel1(part, nibbles):
         # 5. The writes and the cache's counting, one thread per chosen expert: in parallel,
         # because each is a round trip to global memory.
         if tid < k:
-            e = picked[tid]
-            kept = float32(0.0)  # the K probabilities' sum, in rank order
-            for r in range(k):
-                kept += picked_p[r]
-            chosen[t, tid] = e
-            weights[t, tid] = picked_p[tid] / kept
-            slot = res[at + e]
-            slot_of[t, tid] = slot
-            cuda.atomic.add(lookups, at + e, int32(1))
-            if slot >= 0:
-                cuda.atomic.add(hits, at + e, int32(1))
+            record_choice(t, tid, res[at + picked[tid]], picked, picked_p, chosen, weights, slot_of, at, lookups, hits)
 
     return route_kernel1
 
@@ -301,16 +308,7 @@ def make_route_kernel(part, nibbles):
         # meanwhile the other threads write the experts' input for expert_gate_up (a
         # strided share of the row each, from values still in L1)
         if tid < k:
-            e = picked[tid]
-            kept = float32(0.0)  # the K probabilities' sum, in rank order
-            for r in range(k):
-                kept += picked_p[r]
-            chosen[t, tid] = e
-            weights[t, tid] = picked_p[tid] / kept
-            slot_of[t, tid] = picked_slot[tid]
-            cuda.atomic.add(lookups, at + e, int32(1))
-            if picked_slot[tid] >= 0:
-                cuda.atomic.add(hits, at + e, int32(1))
+            record_choice(t, tid, picked_slot[tid], picked, picked_p, chosen, weights, slot_of, at, lookups, hits)
         else:
             j = tid - k
             while j < d:
