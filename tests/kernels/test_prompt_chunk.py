@@ -15,6 +15,7 @@ import pytest
 from conftest import ON_GPU
 from strata_nb.backend.cuda_backend import CudaBackend
 from strata_nb.backend.numpy_backend import NumpyBackend
+from strata_nb.bench.check import GAP_TOL, LAYER0_TOL
 from strata_nb.engine.engine import Engine
 from strata_nb.engine.prompt_chunk import MIN_WIDTH, width_for
 from strata_nb.model.gguf_file import GGUFModel
@@ -117,7 +118,10 @@ def test_replayed_chunks_equal_launched_ones(default_model_path, monkeypatch, kv
     tail; the engine that launched them one by one compiled them, so each width is
     captured at its first use) gives the bits the same chunks give launched one by one,
     logits and cells, as does a prefill resumed mid-chunk (rows alone); and the logits
-    are the host path's within LOGIT_ATOL."""
+    are the host path's: within LOGIT_ATOL for fp16 cells; for k8v4, whose q4_0 V codes
+    flip on a rounding difference and carry it on through the layers (bench/check.py), the
+    host path's top token is ours or within GAP_TOL of it, and layer 0's cells, which no
+    flip reaches, differ in at most LAYER0_TOL of their bytes."""
     from importlib import resources
 
     monkeypatch.setenv("STRATA_NB_DEVICE_PROMPT", "1")
@@ -140,7 +144,16 @@ def test_replayed_chunks_equal_launched_ones(default_model_path, monkeypatch, kv
         assert all(np.array_equal(prompt_cells(a[f], len(ids)), prompt_cells(b[f], len(ids))) for f in a), \
             "a resumed prefill wrote other cells"
     monkeypatch.setenv("STRATA_NB_DEVICE_PROMPT", "0")
-    assert_logits_close(got, Engine.load(**common).prefill(ids))
+    host = Engine.load(**common)
+    host_logits = host.prefill(ids)
+    if kv == "fp16":
+        assert_logits_close(got, host_logits)
+        return
+    assert host_logits.max() - host_logits[int(np.argmax(got))] <= GAP_TOL
+    a, b = launched.kv.snapshot(len(ids))["layers"][0], host.kv.snapshot(len(ids))["layers"][0]
+    for f in a:
+        x, y = prompt_cells(a[f], len(ids)), prompt_cells(b[f], len(ids))
+        assert np.mean(x.view(np.uint8) != y.view(np.uint8)) <= LAYER0_TOL, f"layer 0's {f} differs"
 
 
 def cells_and_logits(tiny_model, prefills, **settings):

@@ -168,8 +168,9 @@ def test_which_prompt_kernel_runs(monkeypatch):
     args = ("fp16", q, q_pos, all_blocks_upto(q_pos), PAGE_TABLE, pool, host)
     runs = []
     monkeypatch.setattr(mma_prompt, "MMA_KERNELS", {k: _Recording(v, runs) for k, v in mma_prompt.MMA_KERNELS.items()})
+    monkeypatch.setattr(tensor_core, "_ON", False)  # the simulator's default; a GPU's is on
     run(attention, *args)
-    assert runs == []  # off by default
+    assert runs == []
     monkeypatch.setattr(tensor_core, "_ON", True)
     run(attention, *args)
     assert runs == [("fp16", HEAD_DIM)]
@@ -199,6 +200,7 @@ def test_the_backends_say_which_prompt_kernel_runs(monkeypatch):
     from strata_nb.backend.cuda_backend import CudaBackend
     from strata_nb.backend.numpy_backend import NumpyBackend
 
+    monkeypatch.setattr(tensor_core, "_ON", False)  # the simulator's default; a GPU's is on
     assert CudaBackend().prompt_kernels(HEAD_DIM) == "plain"
     monkeypatch.setattr(tensor_core, "_ON", True)
     assert CudaBackend().prompt_kernels(HEAD_DIM) == "tensor cores"

@@ -22,9 +22,15 @@ def snapshot(cache, end: int, layers: list[int] | None = None) -> dict:
     saved = []
     for L in (cache.layers if layers is None else [cache.layers[i] for i in layers]):
         src = L.host if cache.streamed else L.pool
-        saved.append({f: cache.be.to_numpy(a)[:nb].copy() for f, a in src.items()} |
-                     ({"sketch": cache.be.to_numpy(L.sketch)[:nb].copy()} if L.sketch is not None else {}))
+        saved.append({f: blocks_on_host(cache.be, a, nb) for f, a in src.items()} |
+                     ({"sketch": blocks_on_host(cache.be, L.sketch, nb)} if L.sketch is not None else {}))
     return {"fmt": cache.fmt, "end": end, "layers": saved}
+
+
+def blocks_on_host(be, a, nb: int) -> np.ndarray:
+    """a's first nb blocks as a host array of their own: only those cross from the device."""
+    x = be.to_numpy(a[:nb])
+    return x.copy() if x.base is not None else x  # a view of a host array (the numpy backend's)
 
 
 def restore(cache, snap: dict):
