@@ -46,6 +46,7 @@ PROMPT_MMA_WARPS = on_gpu(4, simulator=1)  # warps of the tensor-core prompt ker
 PROMPT_BLOCKS_PER_SPLIT = on_gpu(4, simulator=64)  # selected blocks per prompt thread block, at least
 PROMPT_ALONE_BLOCKS_PER_SPLIT = on_gpu(16, simulator=64)  # per prompt thread block, when rows stand alone
 COMBINE_GROUPS = on_gpu(16, simulator=1)  # thread rows of the combine kernel
+PROMPT_ALONE_COMBINE_GROUPS = on_gpu(4, simulator=4)  # ... when rows stand alone: fixed, at most this
 STEP_THREADS = on_gpu(256, simulator=32)  # threads of a decode step's attention block
 MERGE_UNROLL = on_gpu(8, simulator=2)  # splits a merging thread loads before it adds them
 

@@ -21,8 +21,8 @@ import math
 import numpy as np
 from numba import cuda, float32, int32, uint64
 
-from strata_nb.gpu.geometry import (PROMPT_ALONE_BLOCKS_PER_SPLIT, PROMPT_BLOCKS_PER_SPLIT, PROMPT_ROW_GROUPS,
-                                    PROMPT_TILE_ROWS)
+from strata_nb.gpu.geometry import (PROMPT_ALONE_BLOCKS_PER_SPLIT, PROMPT_ALONE_COMBINE_GROUPS,
+                                    PROMPT_BLOCKS_PER_SPLIT, PROMPT_ROW_GROUPS, PROMPT_TILE_ROWS)
 from strata_nb.gpu.launch import device_empty, stream
 from strata_nb.kernels.attention.attention_step import HEAD_DIMS, MAX_HEAD_DIM, NEG_INF
 from strata_nb.kernels.kv.hadamard import hadamard
@@ -54,6 +54,11 @@ ALONE_BLOCKS_PER_SPLIT = PROMPT_ALONE_BLOCKS_PER_SPLIT
 PROMPT_THREAD_BLOCKS = 2048
 MAX_COMBINE_GROUPS = 16  # thread rows of the combine kernel, each summing every 16th split;
 # under the simulator every thread is a Python thread: one row there (tests pass 4 to cover it)
+# When rows stand alone the combine has a fixed number of thread rows, whatever the chunk's
+# splits (the order it adds them in must not follow the chunk): a few, as most of a row's
+# fixed splits lie past its position and add nothing, and a block of 16 x 64 threads for
+# every (query, head) of a long chunk keeps the GPU busy with idle threads
+ALONE_COMBINE_GROUPS = PROMPT_ALONE_COMBINE_GROUPS
 
 
 def tile_cells(head_dim: int) -> int:
@@ -408,8 +413,8 @@ def attention_prompt(fmt, n_kv, args, sides, out, rotate_out: bool, per_split: i
 
     rows_alone: each query's output must not depend on the chunk it came in. The splits
     are then ALONE_BLOCKS_PER_SPLIT blocks (or per_split) from block 0, however far the row
-    reaches and however many queries share the launch, and the combine always has its
-    full number of thread rows; a split or a row with nothing to add is skipped, as adding
+    reaches and however many queries share the launch, and the combine always has the
+    same thread rows (ALONE_COMBINE_GROUPS); a split or a row with nothing to add is skipped, as adding
     it would add exact zeros. A
     query in a tile beside others reads the columns they see and it does not, each
     masked to a weight of exactly 0, which leaves its sums as they were."""
@@ -425,7 +430,7 @@ def attention_prompt(fmt, n_kv, args, sides, out, rotate_out: bool, per_split: i
         per_split = -(-per_split // cols) * cols  # whole rounds
     n_splits = max(1, -(-blocks.shape[1] // per_split))
     # at most 1024 threads a block, and (unless rows_alone) no more thread rows than splits
-    combine_groups = min(combine_groups, 1024 // head_dim, MAX_COMBINE_GROUPS if rows_alone else n_splits)
+    combine_groups = min(combine_groups, 1024 // head_dim, ALONE_COMBINE_GROUPS if rows_alone else n_splits)
     assert 1 <= combine_groups <= MAX_COMBINE_GROUPS, f"combine_groups {combine_groups} not in 1..{MAX_COMBINE_GROUPS}"
     part_m = device_empty((n_q, n_heads, n_splits), np.float32)
     part_l = device_empty((n_q, n_heads, n_splits), np.float32)
