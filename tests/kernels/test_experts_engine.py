@@ -16,6 +16,7 @@ import pytest
 
 from conftest import ON_GPU
 from strata_nb import Engine
+from strata_nb.engine import prompt_chunk
 from strata_nb.model.moefy import moefy
 from strata_nb.model.synthetic import write_synthetic_gguf
 from strata_nb.settings import SamplingSettings
@@ -114,13 +115,13 @@ def test_negative_control_early_resident_is_caught(copies, cuda_resident):
 
 
 def test_rows_alone_an_moe_prompt_resumed_mid_chunk_writes_the_same_cells(dense, monkeypatch):
-    """STRATA_NB_DEVICE_PROMPT=1 (engine/prompt_chunk.py): a prompt of 11 tokens in chunks
+    """Rows alone (engine/prompt_chunk.py, on): a prompt of 11 tokens in chunks
     of 16, and the same prompt resumed at 9 (a chunk of 2 rows), through a random router
     over 2 distinct experts, write the same cells and give the same logits, bit for bit.
     The model has one layer, so the experts reach the logits (the last token's row, in a
     chunk of 11 rows and of 2): the expert kernels compute a token alone, whatever rows
     share its launch."""
-    monkeypatch.setenv("STRATA_NB_DEVICE_PROMPT", "1")
+    monkeypatch.setattr(prompt_chunk, "_ON", True)
     split = str(moefy(dense, dense.parent / "split_rows_alone.gguf", "split", 2, used=2, router="random", seed=3))
     prompt = [40, 77, 101, 5, 60, 33, 91, 12, 8, 70, 44]
     results = []

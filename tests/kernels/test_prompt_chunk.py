@@ -17,6 +17,7 @@ from strata_nb.backend.cuda_backend import CudaBackend
 from strata_nb.backend.numpy_backend import NumpyBackend
 from strata_nb.bench.check import GAP_TOL, LAYER0_TOL
 from strata_nb.engine.engine import Engine
+from strata_nb.engine import prompt_chunk
 from strata_nb.engine.prompt_chunk import MIN_WIDTH, width_for
 from strata_nb.model.gguf_file import GGUFModel
 from strata_nb.settings import Settings
@@ -80,7 +81,7 @@ def greedy(engine):
 
 @pytest.mark.sim_engine  # ~40 s under the simulator
 def test_prefill_in_device_chunks_matches_numpy(tiny_model, monkeypatch):
-    monkeypatch.setenv("STRATA_NB_DEVICE_PROMPT", "1")
+    monkeypatch.setattr(prompt_chunk, "_ON", True)
     settings = Settings(model=tiny_model, kv="fp16", max_context=64, device="cpu", prefill_chunk=CHUNK)
     model = GGUFModel(tiny_model)
     want_logits, want_tokens = greedy(Engine(settings, model, NumpyBackend()))
@@ -94,16 +95,17 @@ def test_prefill_in_device_chunks_matches_numpy(tiny_model, monkeypatch):
     assert np.abs(k[len(PROMPT) + STEPS:2 * CHUNK]).max() > 0  # the padding's cells were written
 
 
-def test_off_by_default_and_for_a_streamed_cache(tiny_model, monkeypatch):
-    """Until measured on a GPU the path is opt-in, and never for a streamed cache (its
-    chunks stage earlier blocks from the host copy first)."""
+def test_on_where_asked_and_never_for_a_streamed_cache(tiny_model, monkeypatch):
+    """The path runs on the cuda backend where it is on (a GPU's default), never on the
+    numpy backend, and never for a streamed cache (its chunks stage earlier blocks from
+    the host copy first)."""
     from strata_nb.kv.plan import StreamPlan
 
     model = GGUFModel(tiny_model)
     resident = Settings(model=tiny_model, kv="fp16", max_context=64, device="cpu")
-    monkeypatch.delenv("STRATA_NB_DEVICE_PROMPT", raising=False)
+    monkeypatch.setattr(prompt_chunk, "_ON", False)
     assert Engine(resident, model, CudaBackend()).prompt_chunks() is None
-    monkeypatch.setenv("STRATA_NB_DEVICE_PROMPT", "1")
+    monkeypatch.setattr(prompt_chunk, "_ON", True)
     assert Engine(resident, model, CudaBackend()).prompt_chunks() is not None
     assert Engine(resident, model, NumpyBackend()).prompt_chunks() is None
     streamed = Settings(model=tiny_model, kv="fp16", max_context=128, device="cpu", kv_window=16,
@@ -124,7 +126,7 @@ def test_replayed_chunks_equal_launched_ones(default_model_path, monkeypatch, kv
     flip reaches, differ in at most LAYER0_TOL of their bytes."""
     from importlib import resources
 
-    monkeypatch.setenv("STRATA_NB_DEVICE_PROMPT", "1")
+    monkeypatch.setattr(prompt_chunk, "_ON", True)
     text = resources.files("strata_nb.data").joinpath("default_document.txt").read_text()
     common = dict(model=default_model_path, device="cuda", kv=kv, max_context=2048, prefill_chunk=256)
     launched = Engine.load(graph=False, **common)
@@ -143,7 +145,7 @@ def test_replayed_chunks_equal_launched_ones(default_model_path, monkeypatch, kv
     for a, b in zip(launched.kv.snapshot(len(ids))["layers"], resumed.kv.snapshot(len(ids))["layers"]):
         assert all(np.array_equal(prompt_cells(a[f], len(ids)), prompt_cells(b[f], len(ids))) for f in a), \
             "a resumed prefill wrote other cells"
-    monkeypatch.setenv("STRATA_NB_DEVICE_PROMPT", "0")
+    monkeypatch.setattr(prompt_chunk, "_ON", False)
     host = Engine.load(**common)
     host_logits = host.prefill(ids)
     if kv == "fp16":
@@ -189,7 +191,7 @@ def test_a_prompt_resumed_at_any_token_writes_one_prefill_s_cells(tiny_model, mo
     negative control is the kernel's: test_attention_prompt.py's rows-alone test.)"""
     from strata_nb.kv.plan import StreamPlan
 
-    monkeypatch.setenv("STRATA_NB_DEVICE_PROMPT", "1")
+    monkeypatch.setattr(prompt_chunk, "_ON", True)
     whole = cells_and_logits(tiny_model, [(PROMPT, 0)])
     for k in (11, 19):
         assert_same_bits(whole, cells_and_logits(tiny_model, [(PROMPT[:k], 0), (PROMPT, k)]))
@@ -201,7 +203,7 @@ def test_a_prompt_resumed_at_any_token_writes_one_prefill_s_cells(tiny_model, mo
 def test_rows_alone_in_k8v4_with_qsa(tiny_model, monkeypatch):
     """The same for k8v4 cells (V rotated as it is quantized, attention's output rotated
     back) with QSA's key sketch, resumed at 19: cells, sketch and logits bit for bit."""
-    monkeypatch.setenv("STRATA_NB_DEVICE_PROMPT", "1")
+    monkeypatch.setattr(prompt_chunk, "_ON", True)
     k8v4 = dict(kv="k8v4", qsa_budget=32)
     assert_same_bits(cells_and_logits(tiny_model, [(PROMPT, 0)], **k8v4),
                      cells_and_logits(tiny_model, [(PROMPT[:19], 0), (PROMPT, 19)], **k8v4))

@@ -33,25 +33,31 @@ BLAS makes no such promise, so its conversation cache resumes at whole chunks
 
 Without a GPU (the simulator) or with --no-graph, the same launches run one by one; the
 tests check them against the host path and the numpy backend.
-`STRATA_NB_DEVICE_PROMPT=1` turns this path on. It is off by default: on a GPU it
-prefills a short prompt several times faster than the host path, and a long one
-slower (CHANGELOG.md, 2026-12-05).
+On a GPU this path is the default for a resident cache; under the simulator the engine
+takes the host path unless a test sets `_ON`, so the simulator's engine tests keep the
+speed they had.
 """
 from __future__ import annotations
-
-import os
 
 import numpy as np
 
 from ..backend import gpu_present
+from ..gpu.geometry import SIMULATED
 from ..kv_layout import BLOCK
 from .forward import forward
 
 MIN_WIDTH = 16  # the narrowest width: one graph for every tail of up to 16 tokens
 
 
+# One value a process: a cache's prompt rows computed alone and in a chunk's company
+# differ in their last bits, so an engine keeps the value it was made with.
+_ON = not SIMULATED
+
+
 def enabled() -> bool:
-    return os.environ.get("STRATA_NB_DEVICE_PROMPT", "0") == "1"
+    """Whether a cuda engine's resident cache computes prompt rows alone and replays its
+    prompt chunks (on a GPU; under the simulator where a test asks)."""
+    return _ON
 
 
 # --8<-- [start:widths]
