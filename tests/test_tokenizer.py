@@ -32,6 +32,26 @@ def test_round_trip_and_specials(tok):
 
 
 @pytest.mark.model
+def test_stretches_between_special_tokens_keep_their_ids(tok, monkeypatch):
+    """encode splits on special tokens and keeps each stretch's ids: the ids are the BPE
+    library's for the whole text, and a conversation's next turn encodes only its new
+    stretches."""
+    turns = [dict(role="user", content="Héllo there,  friend 12345!\n\nA second line."),
+             dict(role="assistant", content=" Sure <|im_end|> text\twith tabs<|im_start|>"),
+             dict(role="user", content="<|endoftext|>and  more   spaces ")]
+    for n in range(1, 4):
+        text = tok.render_chat(turns[:n])
+        assert tok.encode(text) == tok._hf.encode(text, add_special_tokens=False).ids, text
+    calls = []
+    real = tok._hf.encode
+    monkeypatch.setattr(tok, "_hf", type("HF", (), {"encode": lambda self, t, **kw: calls.append(t) or real(t, **kw)})())
+    tok.encode(tok.render_chat(turns[:2]))
+    assert calls == []  # every stretch seen before
+    tok.encode(tok.render_chat(turns[:2] + [dict(role="user", content="a new question")]))
+    assert calls == ["user\na new question"]  # the rest, the 2-turn history included, from the cache
+
+
+@pytest.mark.model
 def test_stream_decoder_never_splits_a_character(tok):
     text = "emoji 👍🏽 and 家族 and é"
     ids = tok.encode(text)

@@ -6,12 +6,15 @@ BPE itself is the `tokenizers` library's. The chat template is the file's own Ji
 """
 from __future__ import annotations
 
+import re
+from collections import OrderedDict
 from functools import lru_cache
 
 from ..errors import StrataError
 
 CONTROL = 3  # llama.cpp token type: special tokens such as <|im_start|>
 USER_DEFINED = 4
+STRETCHES = 256  # the most recent stretches between special tokens whose ids are kept
 
 
 @lru_cache(maxsize=1)
@@ -56,7 +59,7 @@ class Tokenizer:
         self.tokens: list[str] = list(md("tokenizer.ggml.tokens"))
         types = md("tokenizer.ggml.token_type") or [1] * len(self.tokens)
         merges = [tuple(m.split(" ", 1)) for m in md("tokenizer.ggml.merges") or []]
-        vocab = {t: i for i, t in enumerate(self.tokens)}
+        vocab = self._vocab = {t: i for i, t in enumerate(self.tokens)}
         self._hf = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
         self._hf.pre_tokenizer = _pre_tokenizer(md("tokenizer.ggml.pre", "gpt2"))
         self._hf.decoder = decoders.ByteLevel()
@@ -69,6 +72,11 @@ class Tokenizer:
         self.stop_ids = {self.eos_id} | {vocab[t] for t in ("<|im_end|>", "<|endoftext|>") if t in vocab}
         self.chat_template = md("tokenizer.chat_template")
         self._bytes = _byte_decoder()
+        # The text between special tokens, split on them (longest first at a position, as
+        # the BPE library matches them), and each stretch's ids, most recent last
+        by_length = sorted((self.tokens[i] for i in self.special_ids), key=len, reverse=True)
+        self._specials = re.compile("(" + "|".join(map(re.escape, by_length)) + ")") if by_length else None
+        self._stretches: OrderedDict[str, list[int]] = OrderedDict()
     # --8<-- [end:tokenizer_init]
 
     @property
@@ -83,7 +91,30 @@ class Tokenizer:
         except UnicodeEncodeError as err:  # a lone surrogate: bytes that were not UTF-8, decoded leniently
             raise StrataError(f"the text is not valid Unicode: {text[err.start]!r} at index {err.start} "
                               "(bytes that were not UTF-8?)") from None
-        return self._hf.encode(text, add_special_tokens=False).ids
+        if self._specials is None:
+            return self._hf.encode(text, add_special_tokens=False).ids
+        # A special token ends the text before it: the BPE library splits on them first
+        # and encodes each stretch between them alone. So a conversation's turns, each a
+        # stretch, keep their ids from request to request; only new ones are encoded (a
+        # follow-up turn's 4,000-token history is a dictionary lookup, not a re-encode).
+        ids: list[int] = []
+        for i, part in enumerate(self._specials.split(text)):
+            if i % 2:  # the split keeps each special token, at the odd places
+                ids.append(self._vocab[part])
+            elif part:
+                ids += self._stretch(part)
+        return ids
+
+    def _stretch(self, text: str) -> list[int]:
+        """The ids of text without special tokens, from the cache of recent stretches."""
+        ids = self._stretches.get(text)
+        if ids is None:
+            ids = self._stretches[text] = self._hf.encode(text, add_special_tokens=False).ids
+            if len(self._stretches) > STRETCHES:
+                self._stretches.popitem(last=False)
+        else:
+            self._stretches.move_to_end(text)
+        return ids
 
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes a token stands for (a special token stands for its own text)."""
