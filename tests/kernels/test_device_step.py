@@ -65,11 +65,30 @@ def test_host_sampled_tokens_are_written_back(tiny_model):
     device's pick: generate with the device step equals generate on the host path."""
     s = SamplingSettings(max_tokens=2, temperature=1.5, top_k=20, seed=3)
     a, b = engine(tiny_model, "fp16"), engine(tiny_model, "fp16")
-    b.device_step = lambda *args: None  # the host path
+    b.reply_step = lambda *args: None  # the host path
     got, want = [], []
     "".join(a.generate_ids(PROMPT, s, on_token=got.append))
     "".join(b.generate_ids(PROMPT, s, on_token=want.append))
     assert got == want and len(got) == 2
+
+
+def test_replies_reuse_one_step_and_equal_a_fresh_engines(tiny_model):
+    """A server's replies share the decode step (its graph, on a GPU) where the kind of pick
+    matches: the second reply, after another prompt's prefill wrote cells at the same
+    positions, gives a fresh engine's tokens, and a sampled reply gets a step of its own."""
+    greedy = SamplingSettings(max_tokens=3)
+    eng, fresh = engine(tiny_model, "fp16"), engine(tiny_model, "fp16")
+    other = [3 + ord("a")]
+    got, want = [], []
+    "".join(eng.generate_ids(PROMPT, greedy))
+    rng = np.random.default_rng(0)
+    first = eng.reply_step(greedy, rng)
+    "".join(eng.generate_ids(other, greedy, on_token=got.append))
+    "".join(fresh.generate_ids(other, greedy, on_token=want.append))
+    assert got == want and len(got) == 3
+    assert eng.reply_step(greedy, rng) is first
+    drawn = SamplingSettings(temperature=0.8, top_p=0.9, seed=11)
+    assert eng.reply_step(drawn, rng) is not first and eng.reply_step(drawn, rng) is eng.reply_step(drawn, rng)
 
 
 def test_top_p_draws_on_the_device(tiny_model):

@@ -115,6 +115,11 @@ class DeviceStep:
         self._write_inputs(token, pos)
         self._next = (token, pos)
 
+    def forget_inputs(self):
+        """The next run writes its token and position (and lets the cache prepare for
+        device steps) even where the buffers hold them: a prefill ran since the last step."""
+        self._next = None
+
     def _check_position(self, pos: int):
         if not 0 <= pos < self.kv.n_blocks * BLOCK:  # the kernels do not bounds-check positions
             raise StrataError(f"position {pos} is outside the KV cache's {self.kv.n_blocks * BLOCK} cells")

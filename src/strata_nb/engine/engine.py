@@ -114,6 +114,7 @@ class Engine:
         self.last_stats = RunStats()
         self._spec_passes = None  # ({width: VerifyWindow}, DeviceStep) once speculation first runs on the GPU
         self._prompt_chunks = None  # PromptChunks once a prefill first runs on the GPU path
+        self._reply_steps: dict = {}  # sampling kind -> the DeviceStep replies reuse (reply_step)
 
     def _expert_cache(self, shared: "Engine | None"):
         """An MoE model's expert cache, sized once the KV cache has taken its memory; a derived
@@ -252,8 +253,29 @@ class Engine:
         Its draws use s.seed, or one seed taken from `rng`."""
         if not DeviceStep.supported(self.be, self.kv):
             return None
-        seed = 0 if s is None else s.seed if s.seed is not None else int(rng.integers(2**31))
-        return DeviceStep(self.be, self.weights, self.kv, self.settings.graph, s, seed)
+        return DeviceStep(self.be, self.weights, self.kv, self.settings.graph, s, self._step_seed(s, rng))
+
+    @staticmethod
+    def _step_seed(s: SamplingSettings | None, rng) -> int:
+        return 0 if s is None else s.seed if s.seed is not None else int(rng.integers(2**31))
+
+    def reply_step(self, s: SamplingSettings, rng) -> DeviceStep | None:
+        """device_step(s, rng), kept from one reply to the next for the same kind of pick:
+        greedy, drawn on the host (top-k), or drawn on the device with the same temperature,
+        top-p and seed. Its graph, captured on a reply's second step, then serves the later
+        replies (a server's), where a new step would launch its first step kernel by kernel
+        and capture again. The last device-drawn kind is kept beside the other two."""
+        if not DeviceStep.supported(self.be, self.kv):
+            return None
+        seed = self._step_seed(s, rng)
+        key = "greedy" if s.temperature == 0 else "host" if s.top_k else (s.temperature, s.top_p, seed)
+        step = self._reply_steps.get(key)
+        if step is None:
+            if isinstance(key, tuple):  # one device-drawn kind at a time
+                self._reply_steps = {k: v for k, v in self._reply_steps.items() if not isinstance(k, tuple)}
+            step = self._reply_steps[key] = DeviceStep(self.be, self.weights, self.kv, self.settings.graph, s, seed)
+        step.forget_inputs()  # a prefill came since its last step: write this reply's inputs
+        return step
 
     def next_token(self, token: int, pos: int, s: SamplingSettings, rng, step: DeviceStep | None) -> int:
         """Decode `token` at `pos` and sample the next one: on the device step when there is one."""
@@ -414,7 +436,7 @@ class Engine:
             counts = stats.extra["spec"] = dict(window=self.settings.spec, **spec_counts())
             later = self.speculate(token, pos, n, ids, counts)
         else:
-            later = self.tokens_after(token, pos, n, s, rng, self.device_step(s, rng))
+            later = self.tokens_after(token, pos, n, s, rng, self.reply_step(s, rng))
         run, last = 0, None  # the current run of one repeated token
         steady = None  # (when, tokens out) once the first WARM_STEPS steps (or verify passes) were done
         arrived = t0  # when the last token was out
