@@ -118,13 +118,13 @@ def test_generate_stops_with_a_step_queued_past_the_stop(eng, step):
     t1, t2, t3 = expected(first, len(prompt), 3)
     assert t2 not in (first, t1)  # the stand-in's sequence, fixed by the constants above
     eng.prefill = lambda ids, on_chunk=None, start=0: np.eye(VOCAB, dtype=np.float32)[first]
-    eng.device_step = lambda *args: step
+    eng.reply_step = lambda *args: step
     eng.tokenizer.stop_ids = set(eng.tokenizer.stop_ids) | {t2}
     try:
         got = []
         "".join(eng.generate_ids(prompt, SamplingSettings(max_tokens=8), on_token=got.append))
     finally:
-        del eng.prefill, eng.device_step
+        del eng.prefill, eng.reply_step
         eng.tokenizer.stop_ids = set(eng.tokenizer.stop_ids) - {t2}
     assert got == [first, t1] and eng.last_stats.finish_reason == "stop"
     assert len(step.queued) == 3 and step.next_input == (t3, len(prompt) + 3)
@@ -150,13 +150,13 @@ def test_compile_time_is_warm_up_not_decode(eng, step):
     from strata_nb.engine.engine import WARM_STEPS
 
     eng.prefill = lambda ids, on_chunk=None, start=0: np.eye(VOCAB, dtype=np.float32)[40]
-    eng.device_step = lambda *args: step
+    eng.reply_step = lambda *args: step
     stops, eng.tokenizer.stop_ids = eng.tokenizer.stop_ids, set()  # the stand-in's tokens run to max_tokens
     slow_first_call(step, "launch")
     try:
         "".join(eng.generate_ids([3 + ord(c) for c in "ab"], SamplingSettings(max_tokens=10)))
     finally:
-        del eng.prefill, eng.device_step
+        del eng.prefill, eng.reply_step
         eng.tokenizer.stop_ids = stops
     s = eng.last_stats
     assert s.decode_steps == 10 - 1 - WARM_STEPS and s.warmup_seconds >= SLOW > s.decode_seconds
