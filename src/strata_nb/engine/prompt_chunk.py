@@ -34,8 +34,7 @@ BLAS makes no such promise, so its conversation cache resumes at whole chunks
 Without a GPU (the simulator) or with --no-graph, the same launches run one by one; the
 tests check them against the host path and the numpy backend.
 On a GPU this path is the default for a resident cache; under the simulator the engine
-takes the host path unless a test sets `_ON`, so the simulator's engine tests keep the
-speed they had.
+takes the host path unless a test sets `_ON` (a simulated row alone is slow to compute).
 """
 from __future__ import annotations
 
