@@ -61,15 +61,11 @@ class CudaBackend:
             return cuda.to_device(np.ascontiguousarray(a, dtype=dtype))
         return a
 
-    def to_numpy(self, a, out=None) -> np.ndarray:
-        """a as a host array of its own, or copied into `out` (a host array of a's shape)."""
+    def to_numpy(self, a) -> np.ndarray:
         if isinstance(a, np.ndarray):  # NumPy or mapped host memory: wait for the kernels that write it
             cuda.synchronize()
-            if out is None:
-                return np.array(a)
-            out[...] = a
-            return out
-        return a.copy_to_host() if out is None else a.copy_to_host(out)
+            return np.array(a)
+        return a.copy_to_host()
 
     def synchronize(self):
         cuda.synchronize()
@@ -153,11 +149,6 @@ class CudaBackend:
         a = cuda.mapped_array(shape, dtype)
         a[...] = 0
         return a
-
-    def pinned_array(self, shape, dtype):
-        """Pinned host memory, not mapped: copies to and from the device run at the bus's
-        speed, not through a pageable staging buffer (a parked conversation's cells)."""
-        return cuda.pinned_array(shape, dtype)
 
     def copy_into(self, dst, src):
         """dst (device) <- src (host table or array)."""

@@ -35,12 +35,8 @@ class NumpyBackend:
     def asarray(self, a, dtype=None):
         return np.ascontiguousarray(a, dtype=dtype)
 
-    def to_numpy(self, a, out=None) -> np.ndarray:
-        """a as a NumPy array (itself, here), or copied into `out`."""
-        if out is None:
-            return np.asarray(a)
-        out[...] = a
-        return out
+    def to_numpy(self, a) -> np.ndarray:
+        return np.asarray(a)
 
     def copy_into(self, dst, src):
         """dst[...] = src (a host table to its device twin; here they are often one array)."""
@@ -70,10 +66,6 @@ class NumpyBackend:
     def host_array(self, shape, dtype):
         """An array for the host copy (pinned and device-mapped on the cuda backend)."""
         return np.zeros(shape, dtype)
-
-    def pinned_array(self, shape, dtype):
-        """A host array (pinned on the cuda backend, for fast copies to and from the device)."""
-        return np.empty(shape, dtype)
 
     def op(self, ref, launcher):
         """Which of a kernel file's two functions this backend runs: the NumPy reference.
