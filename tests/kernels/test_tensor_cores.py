@@ -108,6 +108,32 @@ def test_the_tensor_core_matmul_matches_the_reference(qtype, n, shape):
     check_product(matmul_mma, qtype, n, shape, matmul_ref)
 
 
+def test_split_sums_have_the_unsplit_bits():
+    """`in` cut into segments (160 values: 2 of 64 and a short one of 32), each on its own
+    thread block and added up by sum_segments_kernel, gives the bits of one thread block
+    walking them all; and a row's bits do not depend on the rows beside it (rows alone)."""
+    from strata_nb.kernels.dense import matmul_mma as mm
+
+    qtype, n, shape = "Q4_1", 20, (37, 160)
+    n_segments = -(-shape[1] // (32 * mm.SEGMENT_BLOCKS))
+    assert n_segments == 3 and shape[1] % (32 * mm.SEGMENT_BLOCKS)
+    rng = np.random.default_rng(9)
+    raw = quantized(rng, qtype, shape)
+    x = rng.standard_normal((n, shape[1])).astype(np.float32)
+    whole, split = (np.full((n, shape[0]), np.nan, np.float32) for _ in range(2))
+    matmul_mma(x, raw, qtype, whole, splits=1)
+    matmul_mma(x, raw, qtype, split, splits=n_segments)
+    assert np.array_equal(split, whole)
+    alone = np.full((3, shape[0]), np.nan, np.float32)
+    matmul_mma(x[7:10].copy(), raw, qtype, alone, splits=n_segments)
+    assert np.array_equal(alone, whole[7:10])
+    want = np.zeros((n, shape[0]), np.float32)
+    matmul_ref(x, raw, qtype, want)
+    assert within(whole, want, dot_tolerance(x, dequantize(raw, qtype)))
+    with pytest.raises(AssertionError, match="one per segment"):
+        matmul_mma(x, raw, qtype, split, splits=2)
+
+
 @pytest.mark.skipif(ON_GPU, reason="the GPU's tensor cores cannot be handed a wrong table")
 def test_a_wrong_fragment_table_is_caught(monkeypatch):
     """Negative control: B's places read transposed (row t, column g taken as row g,

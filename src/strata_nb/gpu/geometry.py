@@ -29,6 +29,7 @@ MATMUL_W_THREADS = on_gpu(32, simulator=2)  # the fast matmul's threads along W'
 MATMUL_X_THREADS = on_gpu(8, simulator=2)  # and along x's rows (8 rows each)
 MATMUL_MMA_W_THREADS = on_gpu(16, simulator=8)  # the tensor-core matmul's threads (4 rows of W, 8 of x each)
 MATMUL_MMA_X_THREADS = on_gpu(8, simulator=4)
+MATMUL_MMA_SPLIT_BELOW = on_gpu(160, simulator=2)  # the tensor-core matmul splits `in` when its tiles are fewer
 # shared tiles read 4 floats at a time: aligned to 16 bytes, or the compiler loads them one
 # by one (the simulator refuses an alignment, and needs none)
 VECTOR_ALIGN = on_gpu(16, simulator=None)

@@ -23,16 +23,33 @@ Precision: each output is a float32 sum over k, in blocks of 8 products summed b
 tensor core, within the same bound as the fast kernel's (matvec.dot_tolerance); the
 bits differ from it, so a process uses one or the other (gpu/tensor_core.enabled
 switches this kernel and the prompt attention's together).
+
+Split sums (split-K). A short chunk makes few tiles: 60 rows of x against the default
+model's 576-row matrices are 9 thread blocks, each walking all of `in`, on a GPU of 132
+SMs. Then the launch is latency, not work. So `in` is cut into *segments* of
+SEGMENT_BLOCKS quantization blocks, and a thread block sums its segments each into a
+fresh accumulator, adding it to the output's running total when the segment ends:
+
+    total = 0;  for each segment j:  total += (the segment's products, summed)
+
+A short chunk gives each segment its own thread block (the grid's third axis), which
+writes its segment's sum to a scratch array; `sum_segments_kernel` then adds them up, in
+segment order from 0, as the unsplit kernel does. The additions are the same, so split
+or not, every output has the same bits: the launcher may choose by the size of the grid
+(`split_for`) and a row's result still does not depend on how many rows came with it
+(engine/prompt_chunk.py: rows alone).
 """
 from __future__ import annotations
 
+import numpy as np
 from numba import cuda, float32, uint64
 
-from strata_nb.gpu.geometry import MATMUL_MMA_W_THREADS, MATMUL_MMA_X_THREADS, SIMULATED
+from strata_nb.gpu.geometry import MATMUL_MMA_SPLIT_BELOW, MATMUL_MMA_W_THREADS, MATMUL_MMA_X_THREADS, SIMULATED
+from strata_nb.gpu.launch import DeviceArgs, device_empty, grid_for, stream
 from strata_nb.gpu.reduce import WARP
 from strata_nb.gpu.tensor_core import TILE_K, TILE_M, TILE_N, mma_f32
-from strata_nb.kernels.dense.gguf_rows import QK, QTYPES
-from strata_nb.kernels.dense.matmul import W_REGS, X_REGS, launch, loader_sizes, make_tile_loader
+from strata_nb.kernels.dense.gguf_rows import QK, QTYPES, weight_views
+from strata_nb.kernels.dense.matmul import W_REGS, X_REGS, check, loader_sizes, make_tile_loader
 
 W_THREADS, X_THREADS = MATMUL_MMA_W_THREADS, MATMUL_MMA_X_THREADS  # 16 x 8 on a GPU, 8 x 4 (one warp) simulated
 THREADS = W_THREADS * X_THREADS
@@ -45,12 +62,20 @@ RUNS = QK // 4
 _, _, _, _, _, W_NEXT, X_NEXT = loader_sizes(THREADS, W_TILE_ROWS, X_TILE_ROWS)
 assert (W_TILE_ROWS // WARP_ROWS) * (X_TILE_ROWS // WARP_ROWS) * WARP == THREADS, "a warp per 32 x 32"
 U8 = uint64(8)
+OUTPUTS = M_TILES * N_TILES * 4  # a thread's outputs: 4 of each of its products
+SEGMENT_BLOCKS = 2  # quantization blocks (64 values of k) a segment sums before adding to the total
 # 3 blocks an SM: ptxas keeps to 168 registers a thread (the simulator's jit takes no
 # launch bounds)
 LAUNCH_BOUNDS = {} if SIMULATED else {"launch_bounds": (THREADS, 3)}
 
 
 # --8<-- [start:matmul_mma_kernel]
+@cuda.jit(device=True)
+def segments(n_in):
+    """The segments of a row of `in` values: the last may be short."""
+    return (n_in // QK + SEGMENT_BLOCKS - 1) // SEGMENT_BLOCKS
+
+
 def make_matmul_mma_kernel(part, nibbles):
     fetch, next_block = make_tile_loader(part, nibbles, THREADS, W_TILE_ROWS, X_TILE_ROWS)
 
@@ -58,29 +83,37 @@ def make_matmul_mma_kernel(part, nibbles):
     def matmul_mma_kernel(x,  # (n, in) float32
                           a,  # (out, *) view a of W's rows (gguf_rows.QTYPES)
                           b,  # (out, *) view b of the same bytes
-                          y):  # (n, out) float32, written
+                          y):  # (splits, n, out) float32, written: [z] = the sum over thread block z's segments
         t = cuda.threadIdx.x
         warp, lane = t // WARP, t % WARP
         g, tq = uint64(lane // 4), uint64(lane % 4)
         w0 = uint64((warp % WARPS_W) * WARP_ROWS)  # the warp's first row of the tile's W
         x0 = uint64((warp // WARPS_W) * WARP_ROWS)  # and of its x
-        o0, i0 = cuda.blockIdx.x * W_TILE_ROWS, cuda.blockIdx.y * X_TILE_ROWS
+        o0, i0, z = cuda.blockIdx.x * W_TILE_ROWS, cuda.blockIdx.y * X_TILE_ROWS, cuda.blockIdx.z
         n, n_in = x.shape
-        n_out, n_blocks = y.shape[1], n_in // QK
+        n_out, n_blocks = y.shape[2], n_in // QK
+        per = 1 if y.shape[0] > 1 else segments(n_in)  # segments a thread block sums: 1, or all of them
+        first = z * per * SEGMENT_BLOCKS  # its quantization blocks: first .. end - 1
+        end = min(first + per * SEGMENT_BLOCKS, n_blocks)
         w_tile = cuda.shared.array((RUNS, 4, W_PITCH), float32)  # [k // 4, k % 4, r]: value k of W row o0 + r
         x_tile = cuda.shared.array((RUNS, 4, X_PITCH), float32)  # [k // 4, k % 4, i]: value k of x row i0 + i
         w_next = cuda.local.array(W_NEXT, float32)
         x_next = cuda.local.array(X_NEXT, float32)
-        # acc[mt, nt, :]: the C fragment of x rows x0 + 16 mt .. +15 against W rows w0 + 8 nt .. +7
+        # acc[mt, nt, :]: the C fragment of x rows x0 + 16 mt .. +15 against W rows w0 + 8 nt .. +7,
+        # over this segment; total[4 (N_TILES mt + nt) + i, t]: the same outputs over the segments
+        # before it (in shared memory: the registers are all taken; thread t's own column, so no
+        # barrier, and a warp's 32 columns are 32 banks)
         acc = cuda.local.array((M_TILES, N_TILES, 4), float32)
+        total = cuda.shared.array((OUTPUTS, THREADS), float32)
         for mt in range(M_TILES):
             for nt in range(N_TILES):
                 for i in range(4):
                     acc[mt, nt, i] = float32(0.0)
+                    total[4 * (N_TILES * mt + nt) + i, t] = float32(0.0)
 
-        fetch(x, a, b, 0, t, o0, i0, w_next, x_next)
-        for blk in range(n_blocks):
-            next_block(x, a, b, blk, n_blocks, t, o0, i0, w_next, x_next, w_tile, x_tile)
+        fetch(x, a, b, first, t, o0, i0, w_next, x_next)
+        for blk in range(first, end):
+            next_block(x, a, b, blk, end, t, o0, i0, w_next, x_next, w_tile, x_tile)
             for ks in range(QK // TILE_K):  # 8 values of k: runs 2 ks (values t) and 2 ks + 1 (t + 4)
                 lo, hi = uint64(2 * ks), uint64(2 * ks + 1)
                 for mt in range(M_TILES):  # A: x rows g, g + 8 at values t, then t + 4
@@ -92,6 +125,12 @@ def make_matmul_mma_kernel(part, nibbles):
                         acc[mt, nt, 0], acc[mt, nt, 1], acc[mt, nt, 2], acc[mt, nt, 3] = mma_f32(
                             a0, a1, a2, a3, w_tile[lo, tq, c], w_tile[hi, tq, c],
                             acc[mt, nt, 0], acc[mt, nt, 1], acc[mt, nt, 2], acc[mt, nt, 3])
+            if (blk + 1) % SEGMENT_BLOCKS == 0 or blk + 1 == end:  # a segment ends: into the total
+                for mt in range(M_TILES):
+                    for nt in range(N_TILES):
+                        for i in range(4):
+                            total[4 * (N_TILES * mt + nt) + i, t] += acc[mt, nt, i]
+                            acc[mt, nt, i] = float32(0.0)
             cuda.syncthreads()  # everyone is done with the tiles before they are refilled
 
         # d0..d3: x rows g (d0, d1) and g + 8 (d2, d3), W rows 2t and 2t + 1 of each product
@@ -101,16 +140,52 @@ def make_matmul_mma_kernel(part, nibbles):
                     row = i0 + int(x0) + TILE_M * mt + int(g) + 8 * (i // 2)
                     col = o0 + int(w0) + TILE_N * nt + 2 * int(tq) + i % 2
                     if row < n and col < n_out:
-                        y[row, col] = acc[mt, nt, i]
+                        y[z, row, col] = total[4 * (N_TILES * mt + nt) + i, t]
 
     return matmul_mma_kernel
 
 
 MATMUL_MMA_KERNELS = {qtype: make_matmul_mma_kernel(part, nibbles) for qtype, (part, _, _, nibbles) in QTYPES.items()}
+
+
+@cuda.jit(cache=True)
+def sum_segments_kernel(parts,  # (segments, n, out) float32: each segment's sums
+                        y):  # (n, out) float32, written
+    """y = the segments' sums added in order from 0, as the unsplit kernel adds them: a
+    thread an output, a row of y a row of thread blocks."""
+    o, i = cuda.grid(1), cuda.blockIdx.y
+    if o < y.shape[1]:
+        s = float32(0.0)
+        for j in range(parts.shape[0]):
+            s += parts[j, i, o]
+        y[i, o] = s
 # --8<-- [end:matmul_mma_kernel]
 
 
-def matmul_mma(x, raw, qtype, y):
+def split_for(n: int, n_in: int, n_out: int) -> int:
+    """Thread blocks along `in`: one per segment when the tiles alone would leave most of a
+    GPU's SMs idle (fewer than MATMUL_MMA_SPLIT_BELOW), else 1."""
+    tiles = -(-n_out // W_TILE_ROWS) * -(-n // X_TILE_ROWS)
+    return (n_in // QK + SEGMENT_BLOCKS - 1) // SEGMENT_BLOCKS if tiles < MATMUL_MMA_SPLIT_BELOW else 1
+
+
+def matmul_mma(x, raw, qtype, y, splits: int | None = None):
     """Like matmul.matmul, on tensor cores (needs compute capability 8.0: the caller checks,
-    gpu/tensor_core.available)."""
-    launch(MATMUL_MMA_KERNELS, W_TILE_ROWS, X_TILE_ROWS, THREADS, x, raw, qtype, y)
+    gpu/tensor_core.available). splits: thread blocks along `in`, 1 or one per segment
+    (the same bits either way); None chooses (split_for)."""
+    n, n_out = check(x, raw, qtype, y)
+    if n == 0 or n_out == 0:
+        return
+    n_in = x.shape[1]
+    n_segments = (n_in // QK + SEGMENT_BLOCKS - 1) // SEGMENT_BLOCKS
+    splits = split_for(n, n_in, n_out) if splits is None else splits
+    assert splits in (1, n_segments), f"split into 1 or {n_segments} (one per segment), not {splits}"
+    grid = (-(-n_out // W_TILE_ROWS), -(-n // X_TILE_ROWS), splits)
+    with DeviceArgs() as dev:
+        a, b = weight_views(dev.read(raw), qtype)
+        out = dev.write(y)
+        parts = out.reshape(1, n, n_out) if splits == 1 else device_empty((splits, n, n_out), np.float32)
+        MATMUL_MMA_KERNELS[qtype][grid, THREADS, stream()](dev.read(x), a, b, parts)
+        if splits > 1:
+            blocks, threads, on = grid_for(n_out)
+            sum_segments_kernel[(blocks, n), threads, on](parts, out)
