@@ -7,18 +7,27 @@ import numpy as np
 from strata_nb.serve.conversations import ConversationCache, common_prefix
 
 CHUNK = 4
-CELL_BYTES = 10  # the stand-in's snapshot of n cells takes n * CELL_BYTES bytes
+CELL_BYTES = 256  # the stand-in's snapshot of n cells takes n * CELL_BYTES bytes (whole arena ranges)
 
 
 class RecordingKV:
     def __init__(self):
         self.snapshots, self.restored = [], []
 
-    def snapshot(self, end: int) -> dict:
+    def parking_memory(self, nbytes: int):
+        return np.zeros(nbytes, np.uint8)
+
+    def snapshot_nbytes(self, end: int) -> int:
+        return end * CELL_BYTES
+
+    def snapshot(self, end: int, into) -> dict:
+        assert into.nbytes == end * CELL_BYTES
+        into[:] = end % 251  # the cells' bytes, as far as the stand-in knows them
         self.snapshots.append(end)
-        return {"end": end, "layers": [{"k": np.zeros(end * CELL_BYTES, np.uint8)}]}
+        return {"end": end, "layers": [{"k": into}]}
 
     def restore(self, snap: dict):
+        assert (snap["layers"][0]["k"] == snap["end"] % 251).all(), "a parked range written over"
         self.restored.append(snap["end"])
 
 
@@ -49,7 +58,7 @@ def test_where_rows_stand_alone_a_prompt_resumes_at_any_token():
     """chunk 1 (the cuda backend's rows-alone prompt path): the whole prompt is parked,
     and a later prompt reuses every token it shares but its last."""
     kv = RecordingKV()
-    c = ConversationCache(kv, 1, 1000)
+    c = ConversationCache(kv, 1, 100 * CELL_BYTES)
     a = list(range(10))
     c.park(a)
     assert kv.snapshots == [10]
@@ -70,7 +79,7 @@ def test_a_conversation_the_engine_no_longer_holds_is_restored():
 
 def test_the_skip_restore_fault_counts_the_cells_but_does_not_restore_them():
     kv = RecordingKV()
-    c = ConversationCache(kv, CHUNK, 1000, fault="skip-restore")
+    c = ConversationCache(kv, CHUNK, 100 * CELL_BYTES, fault="skip-restore")
     c.park(list(range(9)))
     c.park(list(range(100, 109)))
     assert c.resume(list(range(10))) == 8 and kv.restored == []
@@ -94,3 +103,16 @@ def test_too_large_for_the_budget_is_not_parked_and_a_budget_of_0_parks_nothing(
     c, kv = cache(0)
     c.park(list(range(9)))
     assert not c.parked and kv.snapshots == []
+
+
+def test_a_budget_the_host_cannot_reserve_is_a_clear_error():
+    import pytest
+
+    from strata_nb.errors import StrataError
+
+    class Greedy(RecordingKV):
+        def parking_memory(self, nbytes):
+            raise MemoryError
+
+    with pytest.raises(StrataError, match="lower --conversation-cache-mib"):
+        ConversationCache(Greedy(), CHUNK, 2**50)

@@ -61,3 +61,38 @@ def test_restore_then_ring_restore_reads_identical(fmt):
     a = resident.attend(0, q, pos, prompt=False)
     b = streamed.attend(0, q, pos, prompt=False)
     assert a.tobytes() == b.tobytes()
+
+
+@pytest.mark.parametrize("backend", ["numpy", "cuda"])
+@pytest.mark.parametrize("settings", [{}, dict(STREAMED, qsa_budget=128)], ids=["resident", "streamed-qsa"])
+def test_a_snapshot_into_parking_memory_restores_the_same_bytes(backend, settings):
+    """snapshot(end, into=...) (the conversation cache's range of pinned memory) holds the
+    bytes of a plain snapshot, in snapshot_nbytes(end) bytes; restoring it after another
+    conversation wrote the cells gives every pool, host copy and sketch byte back."""
+    from strata_nb.backend.cuda_backend import CudaBackend
+
+    be = BE if backend == "numpy" else CudaBackend()
+    cache = make_cache(be, "k8v4" if backend == "numpy" else "fp16", 256, **settings)  # fp16: the simulator's fastest
+    end = 40
+
+    def write(seed):
+        r = np.random.default_rng(seed)
+        pos = np.arange(0, end, dtype=np.int32)
+        cache.append(0, pos, be.asarray(r.standard_normal((end, N_KV, HD), np.float32)),
+                     be.asarray(r.standard_normal((end, N_KV, HD), np.float32)), prompt=True)
+
+    def cells():
+        L, nb = cache.layers[0], -(-end // BLOCK)
+        src = dict(L.host if cache.streamed else L.pool) | ({"sketch": L.sketch} if L.sketch is not None else {})
+        return {f: be.to_numpy(a)[:nb].tobytes() for f, a in src.items()}
+
+    write(1)
+    want = cells()
+    memory = cache.parking_memory(cache.snapshot_nbytes(end) + 512)[256:]  # an arena range: not at its start
+    parked = cache.snapshot(end, into=memory[:cache.snapshot_nbytes(end)])
+    plain = cache.snapshot(end)
+    assert all(parked["layers"][0][f].tobytes() == plain["layers"][0][f].tobytes() for f in plain["layers"][0])
+    write(2)
+    assert cells() != want
+    cache.restore(parked)
+    assert cells() == want

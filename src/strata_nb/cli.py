@@ -166,7 +166,8 @@ def run(prompt, max_tokens, temperature, top_k, top_p, seed, raw, stats, **engin
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", type=int, default=8000, show_default=True)
 @click.option("--conversation-cache-mib", type=float, default=1024, show_default=True,
-              help="Host memory for parked conversations' KV cells; 0 = no conversation cache.")
+              help="Host memory for parked conversations' KV cells, reserved (pinned on a GPU) at start; "
+                   "0 = no conversation cache.")
 @click.option("--conversation-fault", type=click.Choice(["none", "skip-restore"]), default="none",
               help="Teaching switch: skip-restore resumes a parked conversation without writing its cells back "
                    "(the probe's 'repeat after others' check catches it). Off by default.")

@@ -38,6 +38,15 @@ class NumpyBackend:
     def to_numpy(self, a) -> np.ndarray:
         return np.asarray(a)
 
+    def copy_batch(self, pairs, to_host: bool):
+        """dst[...] = src for every (dst, src) pair: the cuda backend's batch of copies."""
+        for dst, src in pairs:
+            dst[...] = src
+
+    def pinned_bytes(self, nbytes: int) -> np.ndarray:
+        """(nbytes,) uint8 host memory: pinned on the cuda backend; here there is no device to copy to."""
+        return np.empty(nbytes, np.uint8)
+
     def copy_into(self, dst, src):
         """dst[...] = src (a host table to its device twin; here they are often one array)."""
         if dst is not src:

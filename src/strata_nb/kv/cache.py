@@ -270,8 +270,15 @@ class KVCache:
     # --8<-- [end:device_steps]
 
     # ---- snapshots: kv/snapshot.py ------------------------------------------------------
-    def snapshot(self, end: int, layers: list[int] | None = None) -> dict:
-        return snapshot.snapshot(self, end, layers)
+    def snapshot(self, end: int, layers: list[int] | None = None, into=None) -> dict:
+        return snapshot.snapshot(self, end, layers, into)
+
+    def snapshot_nbytes(self, end: int) -> int:
+        return snapshot.snapshot_nbytes(self, end)
+
+    def parking_memory(self, nbytes: int):
+        """Host memory for parked snapshots: pinned on a GPU (serve/host_arena.py)."""
+        return self.be.pinned_bytes(nbytes)
 
     def restore(self, snap: dict):
         snapshot.restore(self, snap)

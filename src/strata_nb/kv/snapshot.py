@@ -14,23 +14,61 @@ from ..kv_layout import BLOCK
 
 
 # --8<-- [start:snapshot_restore]
-def snapshot(cache, end: int, layers: list[int] | None = None) -> dict:
+def snapshot(cache, end: int, layers: list[int] | None = None, into: np.ndarray | None = None) -> dict:
     """The K/V bytes (and QSA's key sketch) of cells [0, end), as host arrays: every layer, or
-    the listed ones (the bench's output check compares layer 0)."""
+    the listed ones (the bench's output check compares layer 0). into: a uint8 host buffer
+    of snapshot_nbytes(cache, end) bytes to hold them (the conversation cache's pinned
+    range, serve/host_arena.py); None: new arrays."""
     nb = -(-end // BLOCK)
     cache.sync_from_device()
-    saved = []
-    for L in (cache.layers if layers is None else [cache.layers[i] for i in layers]):
-        src = L.host if cache.streamed else L.pool
-        saved.append({f: blocks_on_host(cache.be, a, nb) for f, a in src.items()} |
-                     ({"sketch": blocks_on_host(cache.be, L.sketch, nb)} if L.sketch is not None else {}))
+    sources = [fields(cache, L) for L in (cache.layers if layers is None else [cache.layers[i] for i in layers])]
+    if into is None:
+        saved = [{f: blocks_on_host(cache.be, a, nb) for f, a in src.items()} for src in sources]
+    else:
+        places = iter(carve(into, [(a[:nb].shape, a.dtype) for src in sources for a in src.values()]))
+        saved = [{f: next(places) for f in src} for src in sources]
+        cache.be.copy_batch([(saved_layer[f], a[:nb]) for src, saved_layer in zip(sources, saved)
+                             for f, a in src.items()], to_host=True)
     return {"fmt": cache.fmt, "end": end, "layers": saved}
+
+
+def fields(cache, L) -> dict:
+    """A layer's arrays a snapshot takes: the host copy's (or the resident pool's) and the sketch."""
+    src = dict(L.host if cache.streamed else L.pool)
+    if L.sketch is not None:
+        src["sketch"] = L.sketch
+    return src
+
+
+def snapshot_nbytes(cache, end: int) -> int:
+    """The bytes of a buffer that snapshot(cache, end, into=...) fills."""
+    nb = -(-end // BLOCK)
+    return sum(aligned(nb * (a.nbytes // a.shape[0])) for L in cache.layers for a in fields(cache, L).values())
 
 
 def blocks_on_host(be, a, nb: int) -> np.ndarray:
     """a's first nb blocks as a host array of their own: only those cross from the device."""
     x = be.to_numpy(a[:nb])
     return x.copy() if x.base is not None else x  # a view of a host array (the numpy backend's)
+
+
+ALIGN = 256  # every field of a snapshot's buffer starts on a multiple of this
+
+
+def aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def carve(buffer: np.ndarray, shapes: list) -> list[np.ndarray]:
+    """Arrays of the given (shape, dtype)s laid one after another in `buffer` (uint8), each
+    at an ALIGN boundary."""
+    out, at = [], 0
+    for shape, dtype in shapes:
+        n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        out.append(buffer[at:at + n].view(dtype).reshape(shape))
+        at += aligned(n)
+    assert at <= buffer.nbytes, f"a snapshot of {at} bytes does not fit a buffer of {buffer.nbytes}"
+    return out
 
 
 def restore(cache, snap: dict):
@@ -43,15 +81,19 @@ def restore(cache, snap: dict):
     if end_block > cache.n_blocks:
         raise StrataError(f"snapshot of {snap['end']} cells does not fit {cache.n_blocks * BLOCK}")
     index = cache.be.asarray(np.arange(end_block, dtype=np.int32))
+    to_device = []  # (device array, saved array): copied together at the end
     for L, saved in zip(cache.layers, snap["layers"]):
-        dst = L.host if cache.streamed else L.pool
-        for f in dst:
-            cache.be.op(copy_runs_ref, copy_runs)(as_words(saved[f]), as_words(dst[f]), index, index)
+        for f in L.pool:
+            if cache.streamed:  # the host copy, block by block as any writer's runs
+                cache.be.op(copy_runs_ref, copy_runs)(as_words(saved[f]), as_words(L.host[f]), index, index)
+            else:  # the resident pool's slot b holds block b: one copy a field
+                to_device.append((L.pool[f][:end_block], saved[f]))
         if L.sketch is not None:
-            cache.be.copy_into(L.sketch[:end_block], saved["sketch"])
+            to_device.append((L.sketch[:end_block], saved["sketch"]))
         if cache.streamed:
             for f in L.pool:
                 cache.be.op(ring_restore_ref, ring_restore)(as_words(L.host[f]), as_words(L.pool[f]), end_block, cache.plan.n_ring)
             L.slots.reset_to_ring(end_block)
             cache.upload_table(L)
+    cache.be.copy_batch(to_device, to_host=False)
 # --8<-- [end:snapshot_restore]

@@ -21,14 +21,22 @@ backend's rows-alone prompt path, engine/prompt_chunk.py), the whole prompt is p
 and a later prompt resumes at any token: the cache's `chunk` is then 1. The reply's
 cells are never parked either way: a decode step computes them, not a prompt chunk.
 
-Parking takes `kv.snapshot`; resuming a parked conversation whose cells are not the ones
-the engine holds now takes `kv.restore`, which rewrites the host copy (or the resident
-pool) and, when the KV is streamed, refills the VRAM ring with `ring_restore`.
+Parking takes `kv.snapshot` into a range of the cache's arena (serve/host_arena.py: the
+whole budget, pinned once on a GPU, so both copies run at the bus's speed); resuming a
+parked conversation whose cells are not the ones the engine holds now takes `kv.restore`,
+which rewrites the host copy (or the resident pool) and, when the KV is streamed, refills
+the VRAM ring with `ring_restore`. When no free range of the arena fits a conversation,
+the least recently used ones leave until one does: the budget holds by construction.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import StrataError
+from .host_arena import HostArena, aligned
 
 FAULTS = ("none", "skip-restore")  # skip-restore: resume without restoring the parked cells
 
@@ -43,14 +51,11 @@ def common_prefix(a, b) -> int:
     return n
 
 
-def snapshot_bytes(snap: dict) -> int:
-    return sum(a.nbytes for layer in snap["layers"] for a in layer.values())
-
-
 @dataclass
 class Parked:
     ids: tuple  # the tokens whose cells `snap` holds: whole `chunk`s of a prompt
-    snap: dict  # kv.snapshot(len(ids)): the cells' bytes in host arrays
+    snap: dict  # kv.snapshot(len(ids), into=...): the cells' bytes, in the arena
+    start: int  # where its range of the arena starts
     nbytes: int
 
 
@@ -58,13 +63,19 @@ class Parked:
 class ConversationCache:
     def __init__(self, kv, chunk: int, budget_bytes: int, fault: str = "none"):
         self.kv, self.chunk, self.budget, self.fault = kv, chunk, budget_bytes, fault
+        try:
+            memory = kv.parking_memory(budget_bytes) if budget_bytes else np.empty(0, np.uint8)
+        except MemoryError:
+            raise StrataError(f"cannot reserve {budget_bytes / 2**20:,.0f} MiB of host memory for the conversation "
+                              "cache (lower --conversation-cache-mib)") from None
+        self.arena = HostArena(memory)
         self.parked: OrderedDict[tuple, Parked] = OrderedDict()  # least recently used first
         self.live: tuple = ()  # tokens whose cells the engine's KV holds now, whole `chunk`s
         self.hits = self.misses = self.restores = self.evictions = 0
 
     @property
     def nbytes(self) -> int:
-        return sum(p.nbytes for p in self.parked.values())
+        return self.arena.used
 
     def resume(self, ids) -> int:
         """Make the KV hold the longest reusable start of prompt `ids`; return how many
@@ -100,15 +111,20 @@ class ConversationCache:
                 self.parked.move_to_end(other)
                 return
             if common_prefix(other, key) == len(other):  # the same conversation, shorter: replaced
-                del self.parked[other]
-        snap = self.kv.snapshot(n)
-        parked = Parked(key, snap, snapshot_bytes(snap))
-        if parked.nbytes > self.budget:
+                self._leave(other)
+        nbytes = self.kv.snapshot_nbytes(n)
+        if aligned(nbytes) > self.arena.memory.nbytes:  # larger than the whole budget
             return
-        self.parked[key] = parked
-        while self.nbytes > self.budget:
-            self.parked.popitem(last=False)
+        start = self.arena.take(nbytes)
+        while start is None:  # no free range fits: the least recently used leave until one does
+            self._leave(next(iter(self.parked)))
             self.evictions += 1
+            start = self.arena.take(nbytes)
+        snap = self.kv.snapshot(n, into=self.arena.view(start))
+        self.parked[key] = Parked(key, snap, start, nbytes)
+
+    def _leave(self, key: tuple):
+        self.arena.give(self.parked.pop(key).start)
 
     def stats(self) -> dict:
         return dict(conversations=len(self.parked), bytes=self.nbytes, budget_bytes=self.budget,
