@@ -39,9 +39,13 @@ class NumpyBackend:
         return np.asarray(a)
 
     def copy_batch(self, pairs, to_host: bool):
-        """dst[...] = src for every (dst, src) pair: the cuda backend's batch of copies."""
-        for dst, src in pairs:
-            dst[...] = src
+        """For every (host, device) pair: host <- device's first len(host) rows (to_host), else
+        those rows <- host: the cuda backend's batch of copies."""
+        for host, device in pairs:
+            if to_host:
+                host[...] = device[:len(host)]
+            else:
+                device[:len(host)] = host
 
     def pinned_bytes(self, nbytes: int) -> np.ndarray:
         """(nbytes,) uint8 host memory: pinned on the cuda backend; here there is no device to copy to."""

@@ -25,10 +25,10 @@ def snapshot(cache, end: int, layers: list[int] | None = None, into: np.ndarray 
     if into is None:
         saved = [{f: blocks_on_host(cache.be, a, nb) for f, a in src.items()} for src in sources]
     else:
-        places = iter(carve(into, [(a[:nb].shape, a.dtype) for src in sources for a in src.values()]))
+        places = iter(carve(into, [((nb,) + a.shape[1:], a.dtype) for src in sources for a in src.values()]))
         saved = [{f: next(places) for f in src} for src in sources]
-        cache.be.copy_batch([(saved_layer[f], a[:nb]) for src, saved_layer in zip(sources, saved)
-                             for f, a in src.items()], to_host=True)
+        cache.be.copy_batch([(saved_layer[f], a) for src, saved_layer in zip(sources, saved)
+                             for f, a in src.items()], to_host=True)  # each a's first nb blocks
     return {"fmt": cache.fmt, "end": end, "layers": saved}
 
 
@@ -80,16 +80,16 @@ def restore(cache, snap: dict):
     end_block = -(-snap["end"] // BLOCK)
     if end_block > cache.n_blocks:
         raise StrataError(f"snapshot of {snap['end']} cells does not fit {cache.n_blocks * BLOCK}")
-    index = cache.be.asarray(np.arange(end_block, dtype=np.int32))
-    to_device = []  # (device array, saved array): copied together at the end
+    index = cache.be.asarray(np.arange(end_block, dtype=np.int32)) if cache.streamed else None
+    to_device = []  # (saved array, the device array whose first blocks it fills): copied together
     for L, saved in zip(cache.layers, snap["layers"]):
         for f in L.pool:
             if cache.streamed:  # the host copy, block by block as any writer's runs
                 cache.be.op(copy_runs_ref, copy_runs)(as_words(saved[f]), as_words(L.host[f]), index, index)
             else:  # the resident pool's slot b holds block b: one copy a field
-                to_device.append((L.pool[f][:end_block], saved[f]))
+                to_device.append((saved[f], L.pool[f]))
         if L.sketch is not None:
-            to_device.append((L.sketch[:end_block], saved["sketch"]))
+            to_device.append((saved["sketch"], L.sketch))
         if cache.streamed:
             for f in L.pool:
                 cache.be.op(ring_restore_ref, ring_restore)(as_words(L.host[f]), as_words(L.pool[f]), end_block, cache.plan.n_ring)

@@ -132,11 +132,18 @@ class Tokenizer:
         """The prompt text for a conversation, rendered with the file's own template."""
         if not self.chat_template:
             raise StrataError("this model has no chat template; use --raw")
-        return _jinja_env().from_string(self.chat_template).render(
+        return _template(self.chat_template).render(
             messages=messages, add_generation_prompt=add_generation_prompt,
             bos_token=self.tokens[self.bos_id] if self.bos_id is not None else "",
             eos_token=self.tokens[self.eos_id])
     # --8<-- [end:render_chat]
+
+
+@lru_cache(maxsize=4)
+def _template(source: str):
+    """A chat template compiled once: compiling costs a millisecond, more than rendering a
+    long conversation with it."""
+    return _jinja_env().from_string(source)
 
 
 @lru_cache(maxsize=1)
