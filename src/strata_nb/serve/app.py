@@ -12,7 +12,6 @@ import asyncio
 import itertools
 import json
 import socket
-import sys
 import threading
 import time
 from contextlib import asynccontextmanager
@@ -209,14 +208,7 @@ def _server(app):
     return uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
 
 
-# The engine's thread and the HTTP loop share the GIL. A thread that wants it waits until
-# the holder blocks or the switch interval (5 ms by default) ends it, so a text piece the
-# engine hands the loop could wait that long to be sent while the engine runs on in Python.
-SWITCH_INTERVAL = 0.0005
-
-
 def serve_forever(app, sock: socket.socket):
-    sys.setswitchinterval(SWITCH_INTERVAL)
     _server(app).run(sockets=[sock])
 
 
