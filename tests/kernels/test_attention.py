@@ -80,6 +80,10 @@ def nan_records(monkeypatch):
     (5, [0, 1, 2, 3, 4, 5], 1),     # a replayed resident step near an empty context: one split sees a cell
     (37, [0, 1, 2, 3, 4, 5], 3),    # blocks 0..2 seen, 3..5 wholly after the query
     (90, [-1, 5, -1, 0, -1, 3], 3),  # a selection, padding between its blocks
+    # a long list (more records than a warp's lanes load in one round of the merge), the
+    # last block seen past the first 128
+    pytest.param(90, [0 if j == 3 else 3 if j == 70 else 5 if j == 131 else -1 for j in range(140)], 3,
+                 marks=pytest.mark.slow),  # 140 thread blocks: 11 s under the simulator
 ])
 def test_splits_that_see_nothing_weigh_nothing(nan_records, q_pos, blocks, active):
     """One block per split, most of them past the query or padding: every split writes

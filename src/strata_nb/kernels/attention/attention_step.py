@@ -270,6 +270,7 @@ def make_attention_step_kernel(read_k, read_v, G, D, per_split):
 
     # --8<-- [start:step_merge]
     UNIT = LANES * MERGE_UNROLL  # records a round of the V sums takes: count is a multiple of it
+    MAXIMA_UNROLL = 4  # records a lane of the maxima's pass loads at once: 128 a warp, a round
 
     @cuda.jit(device=True)
     def merge_records(src, i, kv_h, first, count, split_w, top, total, seen_end, dots, ahead, acc, t):
@@ -281,29 +282,42 @@ def make_attention_step_kernel(read_k, read_v, G, D, per_split):
         record's max, finds the head's max and the end of the records that saw anything (a
         short context in a long list leaves most of them empty), then weighs each record up
         to that end (its max again, now from L1) and adds the weighted sums of weights: no
-        barrier between the two passes."""
+        barrier between the two passes. In both, a lane loads MAXIMA_UNROLL records before
+        it uses one, so their loads wait on memory together, not one after another (128
+        records at 8K cells: one wait a pass, not four), and adds them in the same order."""
         warp, lane = t // WARP, t % WARP
+        maxima = cuda.local.array(MAXIMA_UNROLL, float32)  # a lane's records s0, s0 + 32, ...: loaded together
+        sums = cuda.local.array(MAXIMA_UNROLL, float32)
         for g0 in range(0, G, N_WARPS):
             g = g0 + warp
             m, last_seen = NEG_INF, float32(0.0)
             if g < G:
-                for s in range(lane, count, WARP):
-                    m_s = src[i, kv_h, first + s, g, D]
-                    m = max(m, m_s)
-                    if m_s > NEG_INF:
-                        last_seen = float32(s + 1)
+                for s0 in range(lane, count, MAXIMA_UNROLL * WARP):
+                    for u in range(MAXIMA_UNROLL):
+                        s = s0 + u * WARP
+                        maxima[u] = src[i, kv_h, first + s, g, D] if s < count else NEG_INF
+                    for u in range(MAXIMA_UNROLL):
+                        m = max(m, maxima[u])
+                        if maxima[u] > NEG_INF:
+                            last_seen = float32(s0 + u * WARP + 1)
             m = warp_max(m)
             last_seen = warp_max(last_seen)  # a float: the warp reductions take float32
             l = float32(0.0)
             if g < G:
-                for s in range(lane, count, WARP):
-                    w = float32(0.0)
-                    if s < last_seen:  # past it every record's weight is 0: no loads
-                        m_s = src[i, kv_h, first + s, g, D]
-                        if m_s > NEG_INF:
-                            w = math.exp(m_s - m)
-                            l += src[i, kv_h, first + s, g, D + 1] * w
-                    split_w[g * count + s] = w
+                for s0 in range(lane, count, MAXIMA_UNROLL * WARP):
+                    for u in range(MAXIMA_UNROLL):
+                        s = s0 + u * WARP
+                        maxima[u], sums[u] = NEG_INF, float32(0.0)
+                        if s < count and s < last_seen:  # past it every record's weight is 0: no loads
+                            maxima[u] = src[i, kv_h, first + s, g, D]
+                            sums[u] = src[i, kv_h, first + s, g, D + 1]
+                    for u in range(MAXIMA_UNROLL):  # in order of s, as one record at a time
+                        w = float32(0.0)
+                        if maxima[u] > NEG_INF:
+                            w = math.exp(maxima[u] - m)
+                            l += sums[u] * w
+                        if s0 + u * WARP < count:
+                            split_w[g * count + s0 + u * WARP] = w
             l = warp_sum(l)
             if g < G and lane == 0:
                 top[g], seen_end[g], total[g] = m, int(last_seen), l
