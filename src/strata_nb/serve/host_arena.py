@@ -20,11 +20,7 @@ import bisect
 
 import numpy as np
 
-ALIGN = 256  # every range starts on a multiple of this: any dtype's view of it is aligned
-
-
-def aligned(nbytes: int) -> int:
-    return -(-nbytes // ALIGN) * ALIGN
+from ..kv.snapshot import ALIGN, aligned  # every range starts on a multiple of ALIGN, as a snapshot's fields do
 
 
 # --8<-- [start:host_arena]
