@@ -174,7 +174,8 @@ class CudaBackend:
     def copy_batch(self, pairs, to_host: bool):
         """For every (host, device) pair of arrays: host <- the device array's first host.nbytes
         bytes (to_host), else those bytes <- host. A snapshot's fields are the first blocks of
-        each pool array, so this is how they cross.
+        each pool array (or host copy array: `device` may be mapped host memory), so this is
+        how they cross.
 
         A Numba copy waits for itself, and a Numba slice (`a[:nb]`) is ~0.1 ms of Python: a
         parked conversation of the default model is 60 of each (30 layers x K and V), ~10

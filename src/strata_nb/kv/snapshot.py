@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import StrataError
-from ..kernels.kv.copy_runs import as_words, copy_runs, copy_runs_ref
+from ..kernels.kv.copy_runs import as_words
 from ..kernels.kv.ring_restore import ring_restore, ring_restore_ref
 from ..kv_layout import BLOCK
 
@@ -80,20 +80,16 @@ def restore(cache, snap: dict):
     end_block = -(-snap["end"] // BLOCK)
     if end_block > cache.n_blocks:
         raise StrataError(f"snapshot of {snap['end']} cells does not fit {cache.n_blocks * BLOCK}")
-    index = cache.be.asarray(np.arange(end_block, dtype=np.int32)) if cache.streamed else None
-    to_device = []  # (saved array, the device array whose first blocks it fills): copied together
+    # The saved blocks go back to where a snapshot took them from, the host copy or the
+    # resident pool (slot b holds block b there), one copy an array, all in one batch
+    to_store = []
     for L, saved in zip(cache.layers, snap["layers"]):
-        for f in L.pool:
-            if cache.streamed:  # the host copy, block by block as any writer's runs
-                cache.be.op(copy_runs_ref, copy_runs)(as_words(saved[f]), as_words(L.host[f]), index, index)
-            else:  # the resident pool's slot b holds block b: one copy a field
-                to_device.append((saved[f], L.pool[f]))
-        if L.sketch is not None:
-            to_device.append((saved["sketch"], L.sketch))
-        if cache.streamed:
+        to_store += [(saved[f], a) for f, a in fields(cache, L).items()]
+    cache.be.copy_batch(to_store, to_host=False)
+    if cache.streamed:  # the ring, from the host copy just written
+        for L in cache.layers:
             for f in L.pool:
                 cache.be.op(ring_restore_ref, ring_restore)(as_words(L.host[f]), as_words(L.pool[f]), end_block, cache.plan.n_ring)
             L.slots.reset_to_ring(end_block)
             cache.upload_table(L)
-    cache.be.copy_batch(to_device, to_host=False)
 # --8<-- [end:snapshot_restore]
