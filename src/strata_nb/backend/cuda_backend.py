@@ -163,14 +163,6 @@ class CudaBackend:
         a[...] = 0
         return a
 
-    def copy_to_host(self, dst, src):
-        """dst (a host array: pinned memory takes the copy at the bus's speed) <- src."""
-        if isinstance(src, np.ndarray):  # NumPy or mapped host memory: wait for the kernels that write it
-            cuda.synchronize()
-            dst[...] = src
-        else:
-            src.copy_to_host(dst)
-
     def copy_batch(self, pairs, to_host: bool):
         """For every (host, device) pair of arrays: host <- the device array's first host.nbytes
         bytes (to_host), else those bytes <- host. A snapshot's fields are the first blocks of
@@ -183,12 +175,12 @@ class CudaBackend:
         copies are queued from the arrays' addresses on the legacy stream as asynchronous
         driver copies, and the batch waits once; the device is idle before and after, as it
         is around a plain copy."""
-        if SIMULATED:
+        if SIMULATED:  # every array is the simulator's, and the copies are Numba's own
             for host, device in pairs:
                 if to_host:
-                    self.copy_to_host(host, device[:len(host)])
+                    device[:len(host)].copy_to_host(host)
                 else:
-                    self.copy_into(device[:len(host)], host)
+                    device[:len(host)].copy_to_device(host)
             return
         from cuda.bindings import driver as cu
 

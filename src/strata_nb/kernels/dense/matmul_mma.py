@@ -70,10 +70,12 @@ LAUNCH_BOUNDS = {} if SIMULATED else {"launch_bounds": (THREADS, 3)}
 
 
 # --8<-- [start:matmul_mma_kernel]
-@cuda.jit(device=True)
 def segments(n_in):
     """The segments of a row of `in` values: the last may be short."""
     return (n_in // QK + SEGMENT_BLOCKS - 1) // SEGMENT_BLOCKS
+
+
+segments_on_device = cuda.jit(device=True)(segments)  # the same function, for the kernel
 
 
 def make_matmul_mma_kernel(part, nibbles):
@@ -92,7 +94,7 @@ def make_matmul_mma_kernel(part, nibbles):
         o0, i0, z = cuda.blockIdx.x * W_TILE_ROWS, cuda.blockIdx.y * X_TILE_ROWS, cuda.blockIdx.z
         n, n_in = x.shape
         n_out, n_blocks = y.shape[2], n_in // QK
-        per = 1 if y.shape[0] > 1 else segments(n_in)  # segments a thread block sums: 1, or all of them
+        per = 1 if y.shape[0] > 1 else segments_on_device(n_in)  # segments a thread block sums: 1, or all of them
         first = z * per * SEGMENT_BLOCKS  # its quantization blocks: first .. end - 1
         end = min(first + per * SEGMENT_BLOCKS, n_blocks)
         w_tile = cuda.shared.array((RUNS, 4, W_PITCH), float32)  # [k // 4, k % 4, r]: value k of W row o0 + r
@@ -166,7 +168,7 @@ def split_for(n: int, n_in: int, n_out: int) -> int:
     """Thread blocks along `in`: one per segment when the tiles alone would leave most of a
     GPU's SMs idle (fewer than MATMUL_MMA_SPLIT_BELOW), else 1."""
     tiles = -(-n_out // W_TILE_ROWS) * -(-n // X_TILE_ROWS)
-    return (n_in // QK + SEGMENT_BLOCKS - 1) // SEGMENT_BLOCKS if tiles < MATMUL_MMA_SPLIT_BELOW else 1
+    return segments(n_in) if tiles < MATMUL_MMA_SPLIT_BELOW else 1
 
 
 def matmul_mma(x, raw, qtype, y, splits: int | None = None):
@@ -177,7 +179,7 @@ def matmul_mma(x, raw, qtype, y, splits: int | None = None):
     if n == 0 or n_out == 0:
         return
     n_in = x.shape[1]
-    n_segments = (n_in // QK + SEGMENT_BLOCKS - 1) // SEGMENT_BLOCKS
+    n_segments = segments(n_in)
     splits = split_for(n, n_in, n_out) if splits is None else splits
     assert splits in (1, n_segments), f"split into 1 or {n_segments} (one per segment), not {splits}"
     grid = (-(-n_out // W_TILE_ROWS), -(-n // X_TILE_ROWS), splits)
