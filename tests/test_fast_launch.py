@@ -155,3 +155,34 @@ def test_a_dependent_launch_s_config_and_when_there_is_none():
         assert "configs: False True True" in out
     else:
         assert "has no programmatic_stream_serialization (1.2 has)" in out
+
+
+PLANS = textwrap.dedent(r"""
+    import types
+    import numpy as np
+    from numba.cuda.typing.typeof import Purpose, typeof
+    from strata_nb.gpu import fast_launch as fl
+
+    fl.install()
+
+    def dispatcher(**kernel):
+        # a stand-in for a CUDADispatcher that has compiled one kernel for an int32 argument
+        k = types.SimpleNamespace(debug=False, extensions=[], cooperative=False,
+                                  _codelibrary=types.SimpleNamespace(get_cufunc=lambda: types.SimpleNamespace(kernel="f")))
+        k.__dict__.update(kernel)
+        arg = typeof(np.int32(1), Purpose.argument)
+        return types.SimpleNamespace(typeof_pyval=lambda v: typeof(v, Purpose.argument), overloads={(arg,): k})
+
+    for name, kernel in [("plain", {}), ("cooperative", dict(cooperative=True)), ("debug", dict(debug=True))]:
+        plan = fl._plan_for(dispatcher(**kernel), (np.int32(1),))
+        print(name, "numba" if plan is fl._NUMBA else "fast")
+""")
+
+
+def test_kernels_only_numba_can_launch_stay_with_numba():
+    """A kernel that syncs its grid needs Numba's cooperative launch, and a debug kernel
+    Numba's error check: the fast path leaves both to Numba (a cooperative kernel launched
+    plainly could not sync its grid)."""
+    done = _child(PLANS)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split("\n")[:3] == ["plain fast", "cooperative numba", "debug numba"], done.stdout

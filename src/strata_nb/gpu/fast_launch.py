@@ -162,7 +162,9 @@ def _plan_for(dispatcher, args):
     argument (None where this path cannot pack it: then the plan is never used)."""
     argtypes = tuple(dispatcher.typeof_pyval(a) for a in args)
     kernel = dispatcher.overloads.get(argtypes)
-    if kernel is None or kernel.debug or kernel.extensions or getattr(kernel, "launch_config_sensitive", False):
+    # a cooperative kernel (one that syncs its grid) needs Numba's cooperative launch
+    if (kernel is None or kernel.debug or kernel.extensions or kernel.cooperative
+            or getattr(kernel, "launch_config_sensitive", False)):
         return _NUMBA
     packers = tuple(_pack_array if type(a) in _ARRAY_TYPES else _SCALARS[type(a)] for a in args)
     return _Plan(kernel._codelibrary.get_cufunc().kernel, packers)
