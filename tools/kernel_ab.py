@@ -20,6 +20,8 @@ model's shapes with random bytes for K/V and weights (the times depend on the sh
   2,048 ending at 4K, fp16 and k8v4;
 - `matvec_fused`: each fused matvec of a decode step (q|k|v, o, gate|up, down, the Q8_0 head);
 - `argmax`: the greedy pick over the default model's 49,152 logits.
+- `route`, `expert_gate_up`, `expert_down`: one token through an MoE layer of moefy's
+  shapes (split E8 K8 F192 and copies E8 K2 F1536, every expert in a slot), each kernel alone.
 
 Each version is loaded as its own module (`strata_nb.kernels.<name>_ab0`, `_ab1`), so
 its kernels compile apart and CUPTI names them as the product's. The product's launcher
@@ -30,6 +32,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import types
 from pathlib import Path
 
 import numpy as np
@@ -189,10 +192,86 @@ def argmax_cases(versions: dict) -> None:
     side_by_side("argmax of 49,152 logits (us)", versions, run, rerun_and_read(run, out), 50)
 
 
+def expert_layer(e: int, k: int, f: int):
+    """One token through an MoE layer of moefy's shapes from the default model (D 576, F32
+    router, Q4_1 experts, every expert in a slot): random inputs and weights, and the
+    device arrays route, expert_gate_up and expert_down read and write."""
+    from numba import cuda
+
+    import kernel_bench as kb
+    from moe_layer import D, QTYPE, q41
+
+    a = dict(x=cuda.to_device(kb.rng.standard_normal((1, D)).astype(np.float32)),
+             norm=cuda.to_device(np.ones(D, np.float32)),
+             router=cuda.to_device((0.1 * kb.rng.standard_normal((e, D))).astype(np.float32).view(np.uint8)),
+             res=cuda.to_device(np.arange(e, dtype=np.int32)),
+             lookups=cuda.to_device(np.zeros(e, np.int32)), hits=cuda.to_device(np.zeros(e, np.int32)),
+             x_norm=cuda.device_array((1, D), np.float32), chosen=cuda.device_array((1, k), np.int32),
+             weights=cuda.device_array((1, k), np.float32), slot_of=cuda.device_array((1, k), np.int32),
+             gate_up=cuda.to_device(q41(kb.rng, e, 2 * f, D)), down=cuda.to_device(q41(kb.rng, e, D, f)),
+             h=cuda.device_array((1, k, f), np.float32))
+    return types.SimpleNamespace(**a, qtype=QTYPE)
+
+
+EXPERT_SHAPES = (("split", 8, 8, 192), ("copies", 8, 2, 1536))  # (moefy kind, E, K, F)
+
+
+def route_cases(versions: dict) -> None:
+    for kind, e, k, f in EXPERT_SHAPES:
+        m = expert_layer(e, k, f)
+
+        def run(module):
+            module.route(m.x, m.norm, 1e-5, m.router, "F32", m.x_norm, m.chosen, m.weights, m.slot_of, m.res, 0,
+                         m.lookups, m.hits)
+
+        def result(module):  # every output's bits; the counts only grow
+            run(module)
+            return np.concatenate([a.copy_to_host().view(np.uint32).ravel() for a in (m.x_norm, m.chosen, m.weights,
+                                                                                    m.slot_of)])
+        side_by_side(f"route, {kind} E{e} K{k}, one token (us)", versions, run, result, 50)
+
+
+def expert_gate_up_cases(versions: dict) -> None:
+    from strata_nb.kernels.experts.route import route
+
+    for kind, e, k, f in EXPERT_SHAPES:
+        m = expert_layer(e, k, f)
+        route(m.x, m.norm, 1e-5, m.router, "F32", m.x_norm, m.chosen, m.weights, m.slot_of, m.res, 0, m.lookups,
+              m.hits)
+
+        def run(module):
+            module.expert_gate_up(m.x_norm, m.chosen, m.slot_of, 0, m.gate_up, m.gate_up, m.qtype, m.h)
+        side_by_side(f"expert_gate_up, {kind} E{e} K{k} F{f}, one token (us)", versions, run,
+                     rerun_and_read(run, m.h), 50)
+
+
+def expert_down_cases(versions: dict) -> None:
+    from numba import cuda
+
+    import kernel_bench as kb
+    from strata_nb.kernels.experts.route import route
+
+    for kind, e, k, f in EXPERT_SHAPES:
+        m = expert_layer(e, k, f)
+        route(m.x, m.norm, 1e-5, m.router, "F32", m.x_norm, m.chosen, m.weights, m.slot_of, m.res, 0, m.lookups,
+              m.hits)
+        m.h.copy_to_device((0.1 * kb.rng.standard_normal((1, k, f))).astype(np.float32))
+
+        def result(module):  # one layer's sum into zeros: the timed runs keep adding to x
+            fresh = cuda.to_device(np.zeros(m.x.shape, np.float32))
+            module.expert_down(m.h, m.chosen, m.weights, m.slot_of, 0, m.down, m.down, m.qtype, fresh)
+            return fresh.copy_to_host()
+        side_by_side(f"expert_down, {kind} E{e} K{k} F{f}, one token (us)", versions,
+                     lambda module: module.expert_down(m.h, m.chosen, m.weights, m.slot_of, 0, m.down, m.down,
+                                                       m.qtype, m.x), result, 50)
+
+
 FILES = {"attention_step": "attention/attention_step.py", "attention_prefill": "attention/attention_prefill.py",
-         "matvec_fused": "dense/matvec_fused.py", "argmax": "step/argmax.py"}
+         "matvec_fused": "dense/matvec_fused.py", "argmax": "step/argmax.py", "route": "experts/route.py",
+         "expert_gate_up": "experts/expert_gate_up.py", "expert_down": "experts/expert_down.py"}
 CASES = {"attention_step": attention_step_cases, "attention_prefill": attention_prefill_cases,
-         "matvec_fused": matvec_fused_cases, "argmax": argmax_cases}
+         "matvec_fused": matvec_fused_cases, "argmax": argmax_cases, "route": route_cases,
+         "expert_gate_up": expert_gate_up_cases, "expert_down": expert_down_cases}
 
 
 def main(argv: list[str]) -> int:
