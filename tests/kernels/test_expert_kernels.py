@@ -89,6 +89,53 @@ def test_route_breaks_ties_toward_the_lower_id(plain):
     np.testing.assert_allclose(weights, 1 / K, rtol=1e-6)
 
 
+@pytest.mark.parametrize("plain", [False, True], ids=["fast", "plain"])
+def test_route_over_32_experts(plain):
+    """40 experts: the fast kernel's lanes hold two experts each (l and l + 32), so an
+    expert past the first warp's lanes must be ranked, chosen and counted as one before
+    them. The router favours experts 33 and 38 for the first token, 5 and 36 for the
+    second."""
+    rng = np.random.default_rng(3)
+    e, k = 40, 3
+    x = rng.standard_normal((2, D)).astype(np.float32)
+    router = (0.05 * rng.standard_normal((e, D))).astype(np.float32)
+    router[[33, 38]] += 0.5 * x[0] / np.linalg.norm(x[0])
+    router[[5, 36]] += 0.5 * x[1] / np.linalg.norm(x[1])
+    res = np.full(2 * e, -1, np.int32)
+    res[e + 33], res[e + 5] = 0, 1  # layer 1's experts 33 and 5 resident
+    outs = []
+    for fn, r in ((route_ref, router), (route, router.view(np.uint8))):
+        c, w, so = np.zeros((2, k), np.int32), np.zeros((2, k), np.float32), np.zeros((2, k), np.int32)
+        lookups, hits, x_norm = np.zeros(2 * e, np.int32), np.zeros(2 * e, np.int32), np.zeros((2, D), np.float32)
+        args = (x, np.ones(D, np.float32), 1e-5) + ((r,) if fn is route_ref else (r, "F32"))
+        fn(*args, x_norm, c, w, so, res, e, lookups, hits, *(() if fn is route_ref else (plain,)))
+        outs.append((c, w, so, lookups, hits, x_norm))
+    (c, w, so, lk, h, xn), (c_k, w_k, so_k, lk_k, h_k, _) = outs
+    assert set(c[0, :2]) == {33, 38} and set(c[1, :2]) == {5, 36}
+    np.testing.assert_array_equal(c_k, c)
+    np.testing.assert_array_equal(so_k, so)
+    assert_within(w_k, w, weights_tolerance(xn, router) * np.abs(w))
+    np.testing.assert_array_equal(lk_k, lk)
+    np.testing.assert_array_equal(h_k, h)
+    assert h[e + 33] == 1 and h[e + 5] == 1 and h.sum() == 2
+
+
+@pytest.mark.parametrize("plain", [False, True], ids=["fast", "plain"])
+def test_route_breaks_ties_past_the_first_32_experts(plain):
+    """40 experts, a zero router but for experts 33 and 38, which share one row: their
+    logits are equal and the largest, so the lower id comes first, then expert 0, the
+    lowest of the rest (all equal at 0)."""
+    e, k = 40, 3
+    x = np.ones((1, D), np.float32)
+    router = np.zeros((e, D), np.float32)
+    router[[33, 38]] = 0.01
+    chosen = np.zeros((1, k), np.int32)
+    route(x, np.ones(D, np.float32), 1e-5, router.view(np.uint8), "F32", np.zeros((1, D), np.float32), chosen,
+          np.zeros((1, k), np.float32), np.zeros((1, k), np.int32), np.full(e, -1, np.int32), 0,
+          np.zeros(e, np.int32), np.zeros(e, np.int32), plain)
+    assert chosen.tolist() == [[33, 38, 0]]
+
+
 def experts_case(qtype, n_slots, seed=2):
     rng = np.random.default_rng(seed)
     host_gu = stacked(rng, qtype, LAYERS * E, (2 * F, D))

@@ -28,12 +28,14 @@ A decode step has one such block, and its time is a chain of round trips to memo
 barriers, so `route_kernel`, the one the engine runs, shortens the chain:
 - every warp norms the row itself, from the x values it loads for its dot anyway, and
   applies 1 / rms to the logit (as matvec's normed kernels do): no block-wide sum, and
-  the router rows, x and the norm weights are all loaded at once, two parts a round;
-- each expert's thread takes one exp and one division (its probability); the plain
-  kernel's threads take 2 E of them, each tens of instructions;
+  the router rows, x and the norm weights are all loaded at once, three parts a round
+  (the default model's row of 576 values is 72 parts: one round for every lane);
+- the softmax and the top K are warp reductions in the lanes of the experts (two
+  experts a lane at most), one barrier between them, where the plain kernel has three;
+  each expert's lane takes one exp and one division, the plain kernel's threads 2 E;
 - the residency lookups go out at the start, beside the loads, not after the choice;
-- the normed row for expert_gate_up is written at the end by the threads that write no
-  choice, while K threads write the choice.
+- the normed row for expert_gate_up is written at the end by the warps that write no
+  choice, while warp 0's lanes of the chosen experts write the choice.
 
 Tolerance: the ids must equal the reference's; the weights are within `weights_tolerance`
 (see there). Ids can differ only where two experts' probabilities are within the logits'
@@ -49,7 +51,7 @@ from numba import cuda, float32, int32
 from strata_nb.gpu.dependent_launch import let_next_start, wait_for_inputs, waits_for_inputs
 from strata_nb.gpu.geometry import ROUTE_THREADS
 from strata_nb.gpu.launch import DeviceArgs, expect, stream
-from strata_nb.gpu.reduce import WARP, block_sum, warp_sum
+from strata_nb.gpu.reduce import NEG_INF, WARP, block_sum, warp_max, warp_sum
 from strata_nb.kernels.dense.gguf_rows import PART, PARTS, QK, QTYPES, part_runs, row_bytes, weight_views
 from strata_nb.kernels.dense.matvec import dot_tolerance
 from strata_nb.kernels.dense.rmsnorm import inv_rms, rmsnorm_ref
@@ -211,9 +213,12 @@ ROUTE_KERNELS1 = {qtype: make_route_kernel1(part, nibbles) for qtype, (part, _, 
 
 
 # --8<-- [start:route_kernel]
+ROUND = 3  # parts of a router row a lane loads before it uses one
+
+
 def make_route_kernel(part, nibbles):
     """The fast router kernel: every warp norms the row itself, so the logits wait for
-    no block-wide sum, and each expert's thread takes one exp, not 2 E."""
+    no block-wide sum, and the softmax and the top K are warp reductions."""
 
     @cuda.jit(device=True)
     def logit_terms(x, norm, t, q, w, dotted, squared, acc, squares):
@@ -230,6 +235,27 @@ def make_route_kernel(part, nibbles):
                 acc += w[j] * (a * norm[lo + j]) + w[4 + j] * (b * norm[hi + j])
         return acc, squares
 
+    @cuda.jit(device=True)
+    def rank_of(probs, n_expert, e, prob):
+        """How many experts are more probable than expert e, or as probable with a lower id."""
+        rank = 0
+        for o in range(n_expert):
+            if probs[o] > prob or (probs[o] == prob and o < e):
+                rank += 1
+        return rank
+
+    @cuda.jit(device=True)
+    def write_choice(t, e, rank, prob, kept, slot, chosen, weights, slot_of, at, lookups, hits):
+        """Expert e, token t's choice `rank`, written for the expert kernels with its weight
+        renormalized over the K picks, and counted for the cache: a lookup, and a hit where
+        the expert is in a slot."""
+        chosen[t, rank] = e
+        weights[t, rank] = prob / kept
+        slot_of[t, rank] = slot
+        cuda.atomic.add(lookups, at + e, int32(1))
+        if slot >= 0:
+            cuda.atomic.add(hits, at + e, int32(1))
+
     @cuda.jit(cache=True)
     def route_kernel(x, norm, eps, ra, rb, x_norm, chosen, weights, slot_of, res, at, lookups, hits):  # as route_kernel1's
         wait_for_inputs()
@@ -238,82 +264,82 @@ def make_route_kernel(part, nibbles):
         lane, warp, n_warps = tid % WARP, tid // WARP, cuda.blockDim.x // WARP
         d, n_expert, k = x.shape[1], ra.shape[0], chosen.shape[1]
         n_parts = d // PART
-        # Each expert's slot is looked up now, in flight with everything below: the thread of
-        # expert e holds it, and hands it over if e is chosen (no lookup after the choice)
-        my_slot = res[at + tid] if tid < n_expert else -1
+        # Warp 0's lane takes experts lane and lane + 32 in step 2; their slots are looked up
+        # now, in flight with everything below (no lookup after the choice)
+        e0, e1 = lane, lane + WARP
+        slot0 = res[at + e0] if warp == 0 and e0 < n_expert else -1
+        slot1 = res[at + e1] if warp == 0 and e1 < n_expert else -1
         # 1. One logit per expert, warp w taking experts w, w + n_warps, ... The norm is applied
         # last, as matvec's normed kernels apply it: rmsnorm(x) . router = (1 / rms) ((x * norm)
         # . router), and each warp sums the squares of x from the values it loads for its
         # first expert (its lanes read every column once). So a warp's router row, x and
         # norm loads are all out at once, and no barrier stands between them and the dot.
         # Every warp sums the squares in the same order, so every warp has the same 1 / rms.
-        # Two parts of the row a round, each into its own array, so both parts' loads are in
-        # flight before either is used (as expert_gate_up does).
+        # ROUND parts of the row a round, each into its own array, so all their loads are in
+        # flight before any is used; a lane adds its parts in the order q, q + 32, q + 64, ...
         w0 = cuda.local.array(PART, float32)
         w1 = cuda.local.array(PART, float32)
+        w2 = cuda.local.array(PART, float32)
         p = cuda.shared.array(MAX_EXPERTS, float32)  # (E,) logits
         squares = float32(0.0)
         inv = float32(0.0)
         for first in range(0, n_expert, n_warps):
             e = first + warp
             acc = float32(0.0)
-            for q0 in range(lane, n_parts, 2 * WARP):
-                q1 = q0 + WARP
+            for q0 in range(lane, n_parts, ROUND * WARP):
+                q1, q2 = q0 + WARP, q0 + 2 * WARP
                 if e < n_expert:
                     part(ra[e], rb[e], q0 // PARTS, q0 % PARTS, w0)
                     if q1 < n_parts:
                         part(ra[e], rb[e], q1 // PARTS, q1 % PARTS, w1)
+                    if q2 < n_parts:
+                        part(ra[e], rb[e], q2 // PARTS, q2 % PARTS, w2)
                 acc, squares = logit_terms(x, norm, t, q0, w0, e < n_expert, first == 0, acc, squares)
                 if q1 < n_parts:
                     acc, squares = logit_terms(x, norm, t, q1, w1, e < n_expert, first == 0, acc, squares)
+                if q2 < n_parts:
+                    acc, squares = logit_terms(x, norm, t, q2, w2, e < n_expert, first == 0, acc, squares)
             if first == 0:
                 inv = inv_rms(warp_sum(squares), d, eps)  # every warp calls it: a barrier under the simulator
             total = warp_sum(acc)
             if lane == 0 and e < n_expert:
                 p[e] = total * inv
         cuda.syncthreads()  # every logit is in
-        # 2. The softmax over all E and the top K: each expert's thread takes its exp (after the
-        # max, which every thread finds itself), then its probability (after the sum, which
-        # every thread adds in the same order: the same bits in every thread), then its
-        # rank among the probabilities. One exp a thread: an exp and a division are tens of
-        # instructions each, and E of them in every thread's loop cost more than two barriers.
-        ex = cuda.shared.array(MAX_EXPERTS, float32)  # (E,) exp(logit - max)
-        if tid < n_expert:
-            top = p[0]
-            for e in range(1, n_expert):
-                top = max(top, p[e])
-            ex[tid] = math.exp(p[tid] - top)
-        cuda.syncthreads()
+        # 2. The softmax over all E and the top K, in every warp alike (each warp reduction is
+        # then reached by all of them, as the simulator needs), lane l holding experts l and
+        # l + 32: the max and the sum of the exps are warp reductions, so each lane takes
+        # one exp and one division per expert it holds, and no barrier comes between them.
+        # Warp 0 puts the probabilities in shared memory for the ranks (the one barrier).
+        l0 = p[e0] if e0 < n_expert else NEG_INF
+        l1 = p[e1] if e1 < n_expert else NEG_INF
+        top = warp_max(max(l0, l1))
+        x0 = math.exp(l0 - top) if e0 < n_expert else float32(0.0)
+        x1 = math.exp(l1 - top) if e1 < n_expert else float32(0.0)
+        total = warp_sum(x0 + x1)
+        prob0, prob1 = x0 / total, x1 / total
         probs = cuda.shared.array(MAX_EXPERTS, float32)  # (E,) the probabilities
-        prob = float32(0.0)
-        if tid < n_expert:
-            total = float32(0.0)
-            for e in range(n_expert):
-                total += ex[e]
-            prob = ex[tid] / total
-            probs[tid] = prob
+        if warp == 0:
+            if e0 < n_expert:
+                probs[e0] = prob0
+            if e1 < n_expert:
+                probs[e1] = prob1
         cuda.syncthreads()
-        picked = cuda.shared.array(MAX_USED, int32)  # (K,) the chosen ids, most probable first
-        picked_p = cuda.shared.array(MAX_USED, float32)  # (K,) their probabilities
-        picked_slot = cuda.shared.array(MAX_USED, int32)  # (K,) their slots
-        if tid < n_expert:
-            rank = 0
-            for o in range(n_expert):  # more probable, or as probable with a lower id
-                if probs[o] > prob or (probs[o] == prob and o < tid):
-                    rank += 1
-            if rank < k:
-                picked[rank], picked_p[rank], picked_slot[rank] = tid, prob, my_slot
-        cuda.syncthreads()
-        # 3. The writes and the cache's counting, one thread per chosen expert, in parallel;
-        # meanwhile the other threads write the experts' input for expert_gate_up (a
+        rank0 = rank_of(probs, n_expert, e0, prob0) if e0 < n_expert else k
+        rank1 = rank_of(probs, n_expert, e1, prob1) if e1 < n_expert else k
+        kept = warp_sum((prob0 if rank0 < k else float32(0.0)) + (prob1 if rank1 < k else float32(0.0)))
+        # 3. The writes and the cache's counting, by warp 0's lanes of the chosen experts, in
+        # parallel; meanwhile the other warps write the experts' input for expert_gate_up (a
         # strided share of the row each, from values still in L1)
-        if tid < k:
-            record_choice(t, tid, picked_slot[tid], picked, picked_p, chosen, weights, slot_of, at, lookups, hits)
+        if warp == 0:
+            if rank0 < k:
+                write_choice(t, e0, rank0, prob0, kept, slot0, chosen, weights, slot_of, at, lookups, hits)
+            if rank1 < k:
+                write_choice(t, e1, rank1, prob1, kept, slot1, chosen, weights, slot_of, at, lookups, hits)
         else:
-            j = tid - k
+            j = tid - WARP
             while j < d:
                 x_norm[t, j] = x[t, j] * inv * norm[j]
-                j += cuda.blockDim.x - k
+                j += cuda.blockDim.x - WARP
 
     return waits_for_inputs(route_kernel)
 
@@ -332,8 +358,8 @@ def route(x, norm, eps, raw, qtype, x_norm, chosen, weights, slot_of, res, at, l
     expect("norm", norm, np.float32, (d,))
     expect("raw", raw, np.uint8, (None, row_bytes(qtype, d)))
     n_expert = raw.shape[0]
-    assert 1 <= n_expert <= min(MAX_EXPERTS, ROUTE_THREADS), \
-        f"{n_expert} experts; the router kernel holds at most {min(MAX_EXPERTS, ROUTE_THREADS)} (a thread each)"
+    assert 1 <= n_expert <= min(MAX_EXPERTS, ROUTE_THREADS, 2 * WARP), \
+        f"{n_expert} experts; the router kernel holds at most {min(MAX_EXPERTS, ROUTE_THREADS, 2 * WARP)}"
     expect("x_norm", x_norm, np.float32, (n, d))
     expect("chosen", chosen, np.int32, (n, None))
     k = chosen.shape[1]
