@@ -271,10 +271,12 @@ def make_attention_step_kernel(read_k, read_v, G, D, per_split):
     # --8<-- [start:step_merge]
     UNIT = LANES * MERGE_UNROLL  # records a round of the V sums takes: count is a multiple of it
     MAXIMA_UNROLL = 4  # records a lane of the maxima's pass loads at once: 128 a warp, a round
+    W = record_width(D)  # floats a (split, head) record takes
 
     @cuda.jit(device=True)
-    def merge_records(src, i, kv_h, first, count, split_w, top, total, seen_end, dots, ahead, acc, t):
-        """The merge of src[i, kv_h, first:first + count] (records: V sums, max m, sum of
+    def merge_records(flat, rec0, count, split_w, top, total, seen_end, dots, ahead, acc, t):
+        """The merge of records rec0 .. rec0 + count - 1 of the flat records (record s's value v
+        for head g at flat[((rec0 + s) * G + g) * W + v]: its V sums, max m and sum of
         weights l; count a multiple of UNIT, records past the last real one empty) by one
         thread block, each rescaled to the largest max: each head's merged max into top and
         sum of weights into total, the lanes' weighted V sums into dots. A record that saw
@@ -284,7 +286,12 @@ def make_attention_step_kernel(read_k, read_v, G, D, per_split):
         to that end (its max again, now from L1) and adds the weighted sums of weights: no
         barrier between the two passes. In both, a lane loads MAXIMA_UNROLL records before
         it uses one, so their loads wait on memory together, not one after another (128
-        records at 8K cells: one wait a pass, not four), and adds them in the same order."""
+        records at 8K cells: one wait a pass, not four), and adds them in the same order.
+
+        The records are read through the flat view, not as a 5-D array: G and W are
+        constants, so the loads of a round share one address at constant offsets, where a
+        5-D index's runtime strides would give each load an address, and registers, of its
+        own. Fewer registers a thread let more thread blocks share an SM."""
         warp, lane = t // WARP, t % WARP
         maxima = cuda.local.array(MAXIMA_UNROLL, float32)  # a lane's records s0, s0 + 32, ...: loaded together
         sums = cuda.local.array(MAXIMA_UNROLL, float32)
@@ -295,7 +302,7 @@ def make_attention_step_kernel(read_k, read_v, G, D, per_split):
                 for s0 in range(lane, count, MAXIMA_UNROLL * WARP):
                     for u in range(MAXIMA_UNROLL):
                         s = s0 + u * WARP
-                        maxima[u] = src[i, kv_h, first + s, g, D] if s < count else NEG_INF
+                        maxima[u] = flat[((rec0 + s) * G + g) * W + D] if s < count else NEG_INF
                     for u in range(MAXIMA_UNROLL):
                         m = max(m, maxima[u])
                         if maxima[u] > NEG_INF:
@@ -309,8 +316,8 @@ def make_attention_step_kernel(read_k, read_v, G, D, per_split):
                         s = s0 + u * WARP
                         maxima[u], sums[u] = NEG_INF, float32(0.0)
                         if s < count and s < last_seen:  # past it every record's weight is 0: no loads
-                            maxima[u] = src[i, kv_h, first + s, g, D]
-                            sums[u] = src[i, kv_h, first + s, g, D + 1]
+                            maxima[u] = flat[((rec0 + s) * G + g) * W + D]
+                            sums[u] = flat[((rec0 + s) * G + g) * W + D + 1]
                     for u in range(MAXIMA_UNROLL):  # in order of s, as one record at a time
                         w = float32(0.0)
                         if maxima[u] > NEG_INF:
@@ -335,7 +342,7 @@ def make_attention_step_kernel(read_k, read_v, G, D, per_split):
             for s0 in range(ls, end, UNIT):
                 for u in range(MERGE_UNROLL):
                     for g in range(G):
-                        ahead[u, g] = src[i, kv_h, first + s0 + u * LANES, g, d]
+                        ahead[u, g] = flat[((rec0 + s0 + u * LANES) * G + g) * W + d]
                 for u in range(MERGE_UNROLL):
                     for g in range(G):
                         acc[g] += ahead[u, g] * split_w[g * count + s0 + u * LANES]
@@ -355,6 +362,7 @@ def make_attention_step_kernel(read_k, read_v, G, D, per_split):
                               pool_ka, pool_kb, pool_va, pool_vb,  # K and V of the pool, by slot
                               host_ka, host_kb, host_va, host_vb,  # the same by logical block, or (0, ...)
                               records,     # (Q, n_kv, n_splits, G, record_width(D)) float32 scratch
+                              flat,        # (records.size,) float32: the same memory, for the merge's loads
                               arrivals,    # (Q, n_kv) int32: 0 before the launch, 0 after it
                               out):        # (Q, G * n_kv, D) float32, written
         # A dependent launch may have started it early: q, the list and the cells are the
@@ -521,7 +529,8 @@ def make_attention_step_kernel(read_k, read_v, G, D, per_split):
         split_w = k_tile  # the tiles are done with: record s's weight for head g at [g * count + s]
         if last_to_arrive(arrivals, (i, kv_h), n_splits) == 0:
             return
-        merge_records(records, i, kv_h, 0, n_splits, split_w, top, total, seen_end, dots, ahead, acc, t)
+        first_record = (i * cuda.gridDim.y + kv_h) * n_splits  # (i, kv_h, 0)'s, in the flat records
+        merge_records(flat, first_record, n_splits, split_w, top, total, seen_end, dots, ahead, acc, t)
         write_output(dots, total, weights, out, i, kv_h, t, rotate)
         # --8<-- [end:step_tickets]
 
@@ -556,5 +565,5 @@ def attention_step(fmt, n_kv, args, sides, out, rotate_out: bool, per_split: int
     assert group * n_splits <= K_TILE_VALUES, f"{n_splits} splits: raise per_split for the merge's weights"
     records = device_empty((n_q, n_kv, n_splits, group, record_width(head_dim)), np.float32)
     STEP_KERNELS[fmt, group, head_dim, per_split][(n_q, n_kv, n_splits), STEP_THREADS, stream()](
-        *args, np.int32(ordered), np.int32(rotate_out), *sides, records,
+        *args, np.int32(ordered), np.int32(rotate_out), *sides, records, records.reshape(records.size),
         ticket_counters("attention_step", (n_q, n_kv)), out)
