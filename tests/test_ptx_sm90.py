@@ -43,8 +43,9 @@ def test_a_factory_kernel_is_named_by_what_it_was_made_from():
     normed = mv.MATVEC_KERNELS["Q8_0", "normed", "store", 1]
     gated = mv.MATVEC_KERNELS["Q4_1", "gated", "add", mv.ROW_GROUP]
     appending = mv.MATVEC_KERNELS["Q4_1", "normed", "rope_append", 1]
-    assert variant(normed.py_func) == ("part=part_q8_0,nibbles=False,load_x=x_normed,store_y=y_store,normed=True,"
-                                       f"x_rows=1,rows={mv.ROWS},rope=False,append_pair=no_append")
+    assert variant(normed.py_func) == ("part=part_q8_0,nibbles=False,fetch_x=fetch_normed,make_x=x_normed,"
+                                       f"store_y=y_store,normed=True,x_rows=1,rows={mv.ROWS},rope=False,"
+                                       "append_pair=no_append")
     assert variant(gated.py_func) != variant(normed.py_func)
     assert variant(appending.py_func).endswith(",rope=True,append_pair=make_append_pair.<locals>.append_pair")
 

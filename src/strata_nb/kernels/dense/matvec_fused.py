@@ -87,25 +87,42 @@ AHEAD = 4  # sectors of the next matvec's rows each thread reads ahead
 
 
 # --8<-- [start:matvec_prologues]
-# What the kernel multiplies by W, value x[r, col] of the row it reads: all take
-# (x, norm, r, col, n_in). A normed kernel multiplies x * norm and applies 1 / rms to
-# each output's sum (rmsnorm(x) W = (1 / rms) (x * norm) W).
+# What the kernel multiplies by W, value x[r, col] of the row it reads, in two steps: the
+# loads (fetch_*: two float32, the second unused by the plain prologue) and the arithmetic
+# on them (x_*), so a trip's loads can all go out before any arithmetic waits for one (a
+# division or an exp has a branch, and a load after a branch waits for what comes before
+# it). A normed kernel multiplies x * norm and applies 1 / rms to each output's sum
+# (rmsnorm(x) W = (1 / rms) (x * norm) W).
 @cuda.jit(device=True)
-def x_plain(x, norm, r, col, n_in):
-    return x[r, col]
+def fetch_plain(x, norm, r, col, n_in):
+    return x[r, col], float32(0.0)
+
+
+@cuda.jit(device=True)
+def x_plain(a, b):
+    return a
 
 
 # --8<-- [start:norm_prologue]
 @cuda.jit(device=True)
-def x_normed(x, norm, r, col, n_in):
-    return x[r, col] * norm[col]  # times 1 / rms, which the kernel applies to the sum
+def fetch_normed(x, norm, r, col, n_in):
+    return x[r, col], norm[col]
+
+
+@cuda.jit(device=True)
+def x_normed(a, b):
+    return a * b  # x * norm, times 1 / rms, which the kernel applies to the sum
 # --8<-- [end:norm_prologue]
 
 
 # --8<-- [start:swiglu_prologue]
 @cuda.jit(device=True)
-def x_gated(x, norm, r, col, n_in):
-    g, u = x[r, col], x[r, n_in + col]  # the gate and up halves of gate|up
+def fetch_gated(x, norm, r, col, n_in):
+    return x[r, col], x[r, n_in + col]  # the gate and up halves of gate|up
+
+
+@cuda.jit(device=True)
+def x_gated(g, u):
     return g / (float32(1.0) + math.exp(-g)) * u  # swiglu_kernel's expression
 # --8<-- [end:swiglu_prologue]
 
@@ -172,8 +189,9 @@ def no_append(o, u0, u1, rope_rows, hd, n_out, home, k, v, host_k, host_v):
 
 
 # --8<-- [start:matvec_kernel]
-def make_matvec_kernel(part, nibbles, load_x, store_y, normed, x_rows, rows, rope=False, append_pair=None):
-    """The kernel for one weight type (its dequantizer), one prologue and one epilogue,
+def make_matvec_kernel(part, nibbles, fetch_x, make_x, store_y, normed, x_rows, rows, rope=False, append_pair=None):
+    """The kernel for one weight type (its dequantizer), one prologue (its loads and its
+    arithmetic) and one epilogue,
     for up to x_rows rows of x a thread block (1: a decode step; ROW_GROUP: a verify
     window, a group of its rows in each blockIdx.y), `rows` rows of W per thread block. The sizes are compile-time constants so the per-thread arrays
     stay in registers: a 1-row step's kernel holds 4 sums, not 32, and fits more warps on
@@ -223,7 +241,9 @@ def make_matvec_kernel(part, nibbles, load_x, store_y, normed, x_rows, rows, rop
         r0 = cuda.blockIdx.y * x_rows if x_rows > 1 else 0
         n_parts = n_in // PART
         w = cuda.local.array((rows, PART), float32)  # one part of each of the block's rows
-        xs = cuda.local.array(PART, float32)  # the 8 values of a row of x that part multiplies
+        xa = cuda.local.array((x_rows, PART), float32)  # what fetch_x loads for the 8 values of
+        xb = cuda.local.array((x_rows, PART), float32)  #   each row of x that a part multiplies
+        xs = cuda.local.array(PART, float32)  # those values, as make_x makes them
         acc = cuda.local.array((rows, x_rows), float32)  # this thread's partial sums
         inv = cuda.local.array(x_rows, float32)  # 1 / rms of each row of x (normed)
         squares = cuda.local.array(x_rows, float32)  # this thread's sum of x^2 (normed, first trip)
@@ -267,31 +287,35 @@ def make_matvec_kernel(part, nibbles, load_x, store_y, normed, x_rows, rows, rop
                     acc[k, r] = float32(0.0)
             q = t
             while q < n_parts:
+                # A trip's loads, x's and every row's weights, are written with no branch
+                # between them, so the compiler can send them all out before the first is
+                # used: one wait on memory a trip. (A row past the last of W or x reads the
+                # last again; its sums are never stored.)
                 blk, p = q // PARTS, q % PARTS
-                for k in range(rows):
-                    if o0 + k < n_out:
-                        part(a[o0 + k], b[o0 + k], blk, p, w[k])  # the weights are read here, and only here
-                    else:  # past the last row: zeros, whose sums are never stored
-                        for j in range(PART):
-                            w[k, j] = float32(0.0)
                 lo, hi = part_runs(nibbles, p)
                 lo, hi = blk * QK + lo, blk * QK + hi  # the columns of w[:, 0:4] and w[:, 4:8]
                 for r in range(x_rows):
-                    if r0 + r < n:
-                        for j in range(4):  # 8 values of x, each used for `rows` weights
-                            xs[j] = load_x(x, norm, r0 + r, lo + j, n_in)
-                            xs[4 + j] = load_x(x, norm, r0 + r, hi + j, n_in)
-                        # --8<-- [start:norm_squares]
-                        if normed and first_trip:
-                            for j in range(4):
-                                squares[r] += x[r0 + r, lo + j] * x[r0 + r, lo + j]
-                                squares[r] += x[r0 + r, hi + j] * x[r0 + r, hi + j]
-                        # --8<-- [end:norm_squares]
-                        for k in range(rows):
-                            total = acc[k, r]
-                            for j in range(PART):
-                                total += w[k, j] * xs[j]
-                            acc[k, r] = total
+                    rx = min(r0 + r, n - 1)
+                    for j in range(4):  # 8 values of x, each used for `rows` weights
+                        xa[r, j], xb[r, j] = fetch_x(x, norm, rx, lo + j, n_in)
+                        xa[r, 4 + j], xb[r, 4 + j] = fetch_x(x, norm, rx, hi + j, n_in)
+                for k in range(rows):
+                    row = min(o0 + k, n_out - 1)
+                    part(a[row], b[row], blk, p, w[k])  # the weights are read here, and only here
+                for r in range(x_rows):
+                    # --8<-- [start:norm_squares]
+                    if normed and first_trip:  # x's values, the first of what fetch_normed loads
+                        for j in range(4):
+                            squares[r] += xa[r, j] * xa[r, j]
+                            squares[r] += xa[r, 4 + j] * xa[r, 4 + j]
+                    # --8<-- [end:norm_squares]
+                    for j in range(PART):
+                        xs[j] = make_x(xa[r, j], xb[r, j])
+                    for k in range(rows):
+                        total = acc[k, r]
+                        for j in range(PART):
+                            total += w[k, j] * xs[j]
+                        acc[k, r] = total
                 q += n_threads
             # --8<-- [start:append_home]
             if append and first_trip:
@@ -377,7 +401,9 @@ def make_matvec_kernel(part, nibbles, load_x, store_y, normed, x_rows, rows, rop
     return waits_for_inputs(matvec_kernel)
 
 
-PROLOGUES = {"plain": (x_plain, False), "normed": (x_normed, True), "gated": (x_gated, False)}
+# prologue -> (its loads, its arithmetic, normed)
+PROLOGUES = {"plain": (fetch_plain, x_plain, False), "normed": (fetch_normed, x_normed, True),
+             "gated": (fetch_gated, x_gated, False)}
 # epilogue -> (store, rope, append)
 EPILOGUES = {"store": (y_store, False, False), "add": (y_add, False, False), "rope": (y_store, True, False),
              "rope_append": (y_store, True, True)}
@@ -388,10 +414,10 @@ def matvec_kernels(rows: int, store=store_cell) -> dict:
     the appending ones over the writer body `store`; Numba compiles each one the first
     time it is launched."""
     append_pair = make_append_pair(store)
-    return {(qtype, pro, epi, x_rows): make_matvec_kernel(part, nibbles, load_x, store_y, normed, x_rows, rows,
-                                                          rope, append_pair if append else None)
+    return {(qtype, pro, epi, x_rows): make_matvec_kernel(part, nibbles, fetch_x, make_x, store_y, normed, x_rows,
+                                                          rows, rope, append_pair if append else None)
             for qtype, (part, _, _, nibbles) in QTYPES.items()
-            for pro, (load_x, normed) in PROLOGUES.items()
+            for pro, (fetch_x, make_x, normed) in PROLOGUES.items()
             for epi, (store_y, rope, append) in EPILOGUES.items() for x_rows in (1, ROW_GROUP)}
 
 
