@@ -186,18 +186,20 @@ def make_expert_down_kernel(part, nibbles, rows):
         r = i // parts
         qe = i - r * parts
         while r < k:
+            # A term's loads, h's values and every row's weights, with no branch between them
+            # (a load after a branch waits for the work before it): a row past the last
+            # output reads the last again, and its sums are never stored
             blk, p = qe // PARTS, qe % PARTS
-            for j in range(rows):
-                if o0 + j < d:
-                    expert_part(slot_a, slot_b, host_a, host_b, slot[r], index[r], o0 + j, blk, p, w[j])
-                else:  # past the last output: zeros, whose sums are never stored
-                    for v in range(PART):
-                        w[j, v] = float32(0.0)
             lo, hi = part_runs(nibbles, p)
             lo, hi = blk * QK + lo, blk * QK + hi
-            for v in range(4):  # 8 values of the expert's h row, weighted, each used for `rows` weights
-                xs[v] = scale[r] * h[t, r, lo + v]
-                xs[4 + v] = scale[r] * h[t, r, hi + v]
+            s_r, i_r, c_r = slot[r], index[r], scale[r]
+            for v in range(4):  # 8 values of the expert's h row, each used for `rows` weights
+                xs[v] = h[t, r, lo + v]
+                xs[4 + v] = h[t, r, hi + v]
+            for j in range(rows):
+                expert_part(slot_a, slot_b, host_a, host_b, s_r, i_r, min(o0 + j, d - 1), blk, p, w[j])
+            for v in range(PART):  # weighted by the expert's share
+                xs[v] = c_r * xs[v]
             for j in range(rows):
                 total = acc[j]
                 for v in range(PART):

@@ -79,13 +79,19 @@ def make_expert_gate_up_kernel(part, nibbles):
     expert_part = make_expert_part(part)
 
     @cuda.jit(device=True)
-    def part_dot(w, x_norm, t, blk, p):
-        """(part p of block blk of a row) . (the same values of the token's normed row)"""
+    def x_part(x_norm, t, blk, p, xs):
+        """The token's normed row at the 8 values part p of block blk multiplies, into xs."""
         lo, hi = part_runs(nibbles, p)
         lo, hi = blk * QK + lo, blk * QK + hi
+        for i in range(4):
+            xs[i], xs[4 + i] = x_norm[t, lo + i], x_norm[t, hi + i]
+
+    @cuda.jit(device=True)
+    def part_dot(w, xs):
+        """(a part of a row) . (the same 8 values of the token's normed row)"""
         acc = float32(0.0)
         for i in range(4):
-            acc += w[i] * x_norm[t, lo + i] + w[4 + i] * x_norm[t, hi + i]
+            acc += w[i] * xs[i] + w[4 + i] * xs[4 + i]
         return acc
 
     @cuda.jit(cache=True)
@@ -123,28 +129,34 @@ def make_expert_gate_up_kernel(part, nibbles):
                 else:
                     early[u] = uint32(down_host[index, sector * SECTOR])
         # Two parts of each row a round, four arrays: the gate and up rows' loads of both
-        # parts are in flight before any is used. A warp's time here is a chain of memory
-        # round trips; this makes it a quarter as long as one load at a time.
+        # parts, and x's values for them, are in flight before any is used. A warp's time
+        # here is a chain of memory round trips; this makes it a quarter as long as one load
+        # at a time. No branch stands between the loads (a load after a branch waits for
+        # the work before it): a second part past the row's end reads the last part again,
+        # and is not added.
         g0 = cuda.local.array(PART, float32)
         u0 = cuda.local.array(PART, float32)
         g1 = cuda.local.array(PART, float32)
         u1 = cuda.local.array(PART, float32)
+        x0 = cuda.local.array(PART, float32)
+        x1 = cuda.local.array(PART, float32)
         gate, up = float32(0.0), float32(0.0)
         n = d // PART
         if j < f:
             for q0 in range(lane, n, 2 * WARP):
-                q1 = q0 + WARP
+                q1 = min(q0 + WARP, n - 1)
                 blk0, p0, blk1, p1 = q0 // PARTS, q0 % PARTS, q1 // PARTS, q1 % PARTS
+                x_part(x_norm, t, blk0, p0, x0)
+                x_part(x_norm, t, blk1, p1, x1)
                 expert_part(slot_a, slot_b, host_a, host_b, slot, index, j, blk0, p0, g0)
                 expert_part(slot_a, slot_b, host_a, host_b, slot, index, f + j, blk0, p0, u0)
-                if q1 < n:
-                    expert_part(slot_a, slot_b, host_a, host_b, slot, index, j, blk1, p1, g1)
-                    expert_part(slot_a, slot_b, host_a, host_b, slot, index, f + j, blk1, p1, u1)
-                gate += part_dot(g0, x_norm, t, blk0, p0)
-                up += part_dot(u0, x_norm, t, blk0, p0)
-                if q1 < n:
-                    gate += part_dot(g1, x_norm, t, blk1, p1)
-                    up += part_dot(u1, x_norm, t, blk1, p1)
+                expert_part(slot_a, slot_b, host_a, host_b, slot, index, j, blk1, p1, g1)
+                expert_part(slot_a, slot_b, host_a, host_b, slot, index, f + j, blk1, p1, u1)
+                gate += part_dot(g0, x0)
+                up += part_dot(u0, x0)
+                if q0 + WARP < n:
+                    gate += part_dot(g1, x1)
+                    up += part_dot(u1, x1)
         gate, up = warp_sum(gate), warp_sum(up)  # every warp calls them: a barrier under the simulator
         if lane == 0 and j < f:
             h[t, r, j] = gate / (float32(1.0) + math.exp(-gate)) * up

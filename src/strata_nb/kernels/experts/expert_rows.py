@@ -30,10 +30,13 @@ def make_expert_part(part):
     def expert_part(slot_a, slot_b,  # (N, rows, *) two views of the slot pool's bytes
                     host_a, host_b,  # (L * E, rows, *) two views of the host copy's bytes
                     slot, index, row, blk, p, w):
-        if slot >= 0:
-            part(slot_a[slot, row], slot_b[slot, row], blk, p, w)
-        else:
-            part(host_a[index, row], host_b[index, row], blk, p, w)
+        # which memory is a select, not a branch, so a caller's loads of several parts can
+        # all go out before the first is used (a load after a branch waits for the work
+        # before it)
+        in_slot = slot >= 0
+        a, b = (slot_a, slot_b) if in_slot else (host_a, host_b)
+        i = slot if in_slot else index
+        part(a[i, row], b[i, row], blk, p, w)
 
     return expert_part
 # --8<-- [end:expert_part]
