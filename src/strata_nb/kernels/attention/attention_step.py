@@ -386,7 +386,8 @@ def make_attention_step_kernel(read_k, read_v, G, D, per_split):
         top = cuda.shared.array(MAX_GROUP, float32)  # each head's max, then the merged max
         total = cuda.shared.array(MAX_GROUP, float32)  # each head's sum of weights, then merged
         seen_end = cuda.shared.array(MAX_GROUP, int32)  # the merge: 1 + the last split each head saw
-        column = cuda.local.array(BLOCK, float32)  # value u of one block's 16 K (or V) rows
+        column = cuda.local.array(BLOCK, float32)  # value u of one block's 16 K rows
+        v_column = cuda.local.array(BLOCK, float32)  # ... and of its 16 V rows
         acc = cuda.local.array(G, float32)  # this thread's sum for each head (registers: G is fixed)
         ahead = cuda.local.array((MERGE_UNROLL, G), float32)  # the merge's loads in flight
 
@@ -424,27 +425,22 @@ def make_attention_step_kernel(read_k, read_v, G, D, per_split):
         if seen_any == 1:  # the same for every thread: the barriers inside are reached by all
             for e in range(t, G * D, N_THREADS):
                 q_g[e] = q[i, kv_h * G + e // D, e % D]
-            # Unpack: thread u of a column reads value u of the block's 16 K (or V) rows. All
-            # 16 cells, even those after the query (unwritten bytes, maybe NaN): their scores
-            # are never computed and their V never weighted.
-            for e in range(t, per_split * 2 * D, N_THREADS):
-                s, u = e // (2 * D), e % (2 * D)
+            # Unpack: thread (s, u) reads value u of block s's 16 K rows and of its 16 V rows,
+            # both before it stores either, and picks the memory (VRAM slot or host copy) by
+            # a select, not a branch, so all 32 loads wait on memory together. All 16 cells,
+            # even those after the query (unwritten bytes, maybe NaN): their scores are never
+            # computed and their V never weighted.
+            for e in range(t, per_split * D, N_THREADS):
+                s, u = e // D, e % D
                 if start[s] >= 0:
-                    r = row[s]
-                    if u < D:
-                        if from_host[s] == 1:
-                            read_k(host_ka, host_kb, r, kv_h, u, column)
-                        else:
-                            read_k(pool_ka, pool_kb, r, kv_h, u, column)
-                        for c in range(BLOCK):
-                            k_tile[(s * BLOCK + c) * (D + 1) + u] = column[c]
-                    else:
-                        if from_host[s] == 1:
-                            read_v(host_va, host_vb, r, kv_h, u - D, column)
-                        else:
-                            read_v(pool_va, pool_vb, r, kv_h, u - D, column)
-                        for c in range(BLOCK):
-                            v_tile[(s * BLOCK + c) * D + u - D] = column[c]
+                    r, host = row[s], from_host[s] == 1
+                    ka, kb = (host_ka, host_kb) if host else (pool_ka, pool_kb)
+                    va, vb = (host_va, host_vb) if host else (pool_va, pool_vb)
+                    read_k(ka, kb, r, kv_h, u, column)
+                    read_v(va, vb, r, kv_h, u, v_column)
+                    for c in range(BLOCK):
+                        k_tile[(s * BLOCK + c) * (D + 1) + u] = column[c]
+                        v_tile[(s * BLOCK + c) * D + u] = v_column[c]
             cuda.syncthreads()
 
             # Partial scores: thread (p, c) dots part p of cell c's K row with all G query rows
