@@ -221,18 +221,25 @@ def make_route_kernel(part, nibbles):
     no block-wide sum, and the softmax and the top K are warp reductions."""
 
     @cuda.jit(device=True)
-    def logit_terms(x, norm, t, q, w, dotted, squared, acc, squares):
-        """Part q of a router row (w) against the same 8 values of x * norm, added to acc if
-        dotted; those values of x squared, added to squares if squared."""
+    def x_part(x, norm, t, q, xs, ns):
+        """x's and the norm's 8 values at part q of a router row, into xs and ns."""
         blk, pp = q // PARTS, q % PARTS
         lo, hi = part_runs(nibbles, pp)
         lo, hi = blk * QK + lo, blk * QK + hi
         for j in range(4):
-            a, b = x[t, lo + j], x[t, hi + j]
+            xs[j], xs[4 + j] = x[t, lo + j], x[t, hi + j]
+            ns[j], ns[4 + j] = norm[lo + j], norm[hi + j]
+
+    @cuda.jit(device=True)
+    def logit_terms(xs, ns, w, dotted, squared, acc, squares):
+        """A part of a router row (w) against the same 8 values of x * norm (xs, ns), added
+        to acc if dotted; those values of x squared, added to squares if squared."""
+        for j in range(4):
+            a, b = xs[j], xs[4 + j]
             if squared:
                 squares += a * a + b * b
             if dotted:
-                acc += w[j] * (a * norm[lo + j]) + w[4 + j] * (b * norm[hi + j])
+                acc += w[j] * (a * ns[j]) + w[4 + j] * (b * ns[4 + j])
         return acc, squares
 
     @cuda.jit(device=True)
@@ -275,11 +282,20 @@ def make_route_kernel(part, nibbles):
         # first expert (its lanes read every column once). So a warp's router row, x and
         # norm loads are all out at once, and no barrier stands between them and the dot.
         # Every warp sums the squares in the same order, so every warp has the same 1 / rms.
-        # ROUND parts of the row a round, each into its own array, so all their loads are in
-        # flight before any is used; a lane adds its parts in the order q, q + 32, q + 64, ...
+        # ROUND parts of the row a round, each into its own arrays, so all their loads (x's,
+        # the norm's, the router row's) are in flight before any is used, with no branch
+        # between them (a load after a branch waits for the work before it): a part past the
+        # row's end reads the last part again, and is not added. A lane adds its parts in
+        # the order q, q + 32, q + 64, ...
         w0 = cuda.local.array(PART, float32)
         w1 = cuda.local.array(PART, float32)
         w2 = cuda.local.array(PART, float32)
+        x0 = cuda.local.array(PART, float32)
+        x1 = cuda.local.array(PART, float32)
+        x2 = cuda.local.array(PART, float32)
+        n0 = cuda.local.array(PART, float32)
+        n1 = cuda.local.array(PART, float32)
+        n2 = cuda.local.array(PART, float32)
         p = cuda.shared.array(MAX_EXPERTS, float32)  # (E,) logits
         squares = float32(0.0)
         inv = float32(0.0)
@@ -287,18 +303,19 @@ def make_route_kernel(part, nibbles):
             e = first + warp
             acc = float32(0.0)
             for q0 in range(lane, n_parts, ROUND * WARP):
-                q1, q2 = q0 + WARP, q0 + 2 * WARP
+                q1, q2 = min(q0 + WARP, n_parts - 1), min(q0 + 2 * WARP, n_parts - 1)
+                x_part(x, norm, t, q0, x0, n0)
+                x_part(x, norm, t, q1, x1, n1)
+                x_part(x, norm, t, q2, x2, n2)
                 if e < n_expert:
                     part(ra[e], rb[e], q0 // PARTS, q0 % PARTS, w0)
-                    if q1 < n_parts:
-                        part(ra[e], rb[e], q1 // PARTS, q1 % PARTS, w1)
-                    if q2 < n_parts:
-                        part(ra[e], rb[e], q2 // PARTS, q2 % PARTS, w2)
-                acc, squares = logit_terms(x, norm, t, q0, w0, e < n_expert, first == 0, acc, squares)
-                if q1 < n_parts:
-                    acc, squares = logit_terms(x, norm, t, q1, w1, e < n_expert, first == 0, acc, squares)
-                if q2 < n_parts:
-                    acc, squares = logit_terms(x, norm, t, q2, w2, e < n_expert, first == 0, acc, squares)
+                    part(ra[e], rb[e], q1 // PARTS, q1 % PARTS, w1)
+                    part(ra[e], rb[e], q2 // PARTS, q2 % PARTS, w2)
+                acc, squares = logit_terms(x0, n0, w0, e < n_expert, first == 0, acc, squares)
+                if q0 + WARP < n_parts:
+                    acc, squares = logit_terms(x1, n1, w1, e < n_expert, first == 0, acc, squares)
+                if q0 + 2 * WARP < n_parts:
+                    acc, squares = logit_terms(x2, n2, w2, e < n_expert, first == 0, acc, squares)
             if first == 0:
                 inv = inv_rms(warp_sum(squares), d, eps)  # every warp calls it: a barrier under the simulator
             total = warp_sum(acc)
