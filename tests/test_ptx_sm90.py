@@ -13,7 +13,8 @@ nvidia-cuda-nvcc-cu12 wheels)."""
 import pytest
 
 from conftest import LAUNCHES, ON_GPU
-from strata_nb.gpu.sm90 import compile_recorded, parse_ptxas, ptxas, variant, warps_by_registers, wide_divides
+from strata_nb.gpu.sm90 import (compile_recorded, load_runs, nvdisasm, parse_ptxas, ptxas, variant,
+                                warps_by_registers, wide_divides)
 
 # ptxas -v's report of a kernel that spills, as ptxas 12 words it
 SPILLING = """ptxas info    : Compiling entry function 'k' for 'sm_90'
@@ -25,6 +26,26 @@ ptxas info    : Used 255 registers, used 1 barriers, 45508 bytes smem, 472 bytes
 def test_the_ptxas_report_is_read():
     assert parse_ptxas(SPILLING) == {"registers": 255, "shared": 45508, "spill_stores": 36, "spill_loads": 44,
                                      "stack": 40}
+
+
+# nvdisasm's listing, cut down: two loads, their addresses worked out between them, then
+# the arithmetic that uses them; a branch; one more load, a conversion, a last load
+LISTING = """
+        /*0100*/                   LDG.E R4, desc[UR4][R2.64] ;
+        /*0110*/                   IMAD.WIDE R6, R0, 0x4, R8 ;
+        /*0120*/               @!P0 LDG.E.U16 R5, desc[UR4][R6.64+0x2] ;
+        /*0130*/                   FFMA R10, R4, R5, R10 ;
+        /*0140*/               @P1 BRA `(.L_x_1) ;
+        /*0150*/                   LD.E R11, desc[UR4][R12.64] ;
+        /*0160*/                   I2F R11, R11 ;
+        /*0170*/                   LDG.E.128 R16, desc[UR4][R14.64] ;
+"""
+
+
+def test_the_runs_of_loads_are_read_from_the_sass():
+    """Integer address arithmetic does not end a run of loads; arithmetic on a loaded
+    value, a branch or a conversion does."""
+    assert load_runs(LISTING) == [2, 1, 1]
 
 
 def test_warps_the_register_file_holds():
@@ -109,3 +130,30 @@ def test_every_simulated_kernel_compiles_for_sm90_without_spills():
                if r["kernel"] == "matvec_kernel" and ",x_rows=1," in r["made_from"] and r["grid_y"]]
     assert not grouped, "a 1-row matvec reads blockIdx.y:\n" + "\n".join(grouped)
     assert any(r["grid_y"] for r in rows if r["kernel"] == "matvec_kernel"), "no row-group matvec was compiled"
+
+
+# The kernels a decode step waits on most, and the fewest loads their longest run must
+# hold (gpu/sm90.load_runs): a trip's or a round's loads go out together, with no branch or
+# arithmetic between them. Before they did (CHANGELOG.md, 2026-12-05 night), the same
+# kernels' longest runs were 11 (normed matvec), 4 (gated), 8 (plain) and 8 (experts).
+GROUPED_LOADS = [("matvec_kernel", "x_normed", 24), ("matvec_kernel", "x_gated", 16),
+                 ("matvec_kernel", "x_plain", 12), ("expert_down_kernel", "", 16),
+                 ("expert_gate_up_kernel", "", 12), ("attention_step_kernel", "read_float_column", 24)]
+
+
+@pytest.mark.last
+@pytest.mark.skipif(ON_GPU, reason="on a GPU the kernels are compiled for real")
+def test_a_round_s_loads_go_out_together():
+    if not LAUNCHES:
+        pytest.skip("no kernel ran under the simulator in this session (run it with the kernel tests)")
+    binary, disassembler = ptxas(), nvdisasm()
+    assert binary and disassembler, "ptxas or nvdisasm is missing: pip install -e '.[dev]' brings both"
+    wanted = {k: v for k, v in LAUNCHES.items() if any(k[1].endswith(name) for name, _, _ in GROUPED_LOADS)}
+    if not wanted:
+        pytest.skip("none of the kernels checked here ran in this session")
+    failures, rows = compile_recorded(wanted, binary, disassembler=disassembler)
+    assert not failures, "\n".join(failures)
+    short = [f"{r['kernel']}({r['made_from']}){r['sig']}: its longest run of loads is {r['load_run']}, want {least}"
+             for r in rows for name, needle, least in GROUPED_LOADS
+             if r["kernel"] == name and needle in r["made_from"] and r["load_run"] < least]
+    assert not short, "\n".join(short)

@@ -131,16 +131,62 @@ def ptxas() -> str | None:
     return shutil.which("ptxas")
 
 
-def ptx_usage(ptx: str, binary: str) -> dict:
-    """{registers, shared, spill_stores, spill_loads, stack} of the one kernel in `ptx`."""
+def nvdisasm() -> str | None:
+    """The nvdisasm binary: the nvidia-cuda-nvdisasm wheel's, else one on PATH."""
+    try:
+        import nvidia
+
+        for root in nvidia.__path__:
+            for path in sorted(Path(root).glob("*/bin/nvdisasm")):
+                return str(path)
+    except ImportError:
+        pass
+    return shutil.which("nvdisasm")
+
+
+def ptx_usage(ptx: str, binary: str, disassembler: str | None = None) -> dict:
+    """{registers, shared, spill_stores, spill_loads, stack} of the one kernel in `ptx`;
+    with `disassembler` (nvdisasm) also `load_run`, the longest run of loads in its SASS."""
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "k.ptx"
+        path, cubin = Path(tmp) / "k.ptx", Path(tmp) / "k.cubin"
         path.write_text(ptx)
-        run = subprocess.run([binary, "-arch=sm_90", "-v", str(path), "-o", os.devnull],
+        run = subprocess.run([binary, "-arch=sm_90", "-v", str(path), "-o", str(cubin) if disassembler else os.devnull],
                              capture_output=True, text=True, timeout=300)
-    if run.returncode != 0:
-        raise RuntimeError(f"ptxas failed: {run.stderr[-500:]}")
-    return {**parse_ptxas(run.stderr), "divides": wide_divides(ptx), "grid_y": "%ctaid.y" in ptx}
+        if run.returncode != 0:
+            raise RuntimeError(f"ptxas failed: {run.stderr[-500:]}")
+        usage = {**parse_ptxas(run.stderr), "divides": wide_divides(ptx), "grid_y": "%ctaid.y" in ptx}
+        if disassembler:
+            sass = subprocess.run([disassembler, "-c", str(cubin)], capture_output=True, text=True, timeout=300)
+            usage["load_run"] = max(load_runs(sass.stdout), default=0)
+    return usage
+
+
+# --8<-- [start:load_runs]
+# An instruction of nvdisasm's listing: its address comment, a predicate maybe, the opcode
+_SASS_OP = re.compile(r"/\*[0-9a-f]+\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)")
+# After these a run of loads is over: arithmetic that may use a loaded value (floats,
+# halves, conversions, the special-function unit), shared memory, a barrier, a branch, a
+# shuffle, a store or atomic. Integer address arithmetic may come between two loads.
+_ENDS_A_RUN = re.compile(r"^(F[A-Z0-9]*|H[A-Z0-9]+|I2F|MUFU|LDS|STS|BAR|BRA|BSSY|SHFL|STG|ST|ATOM\w*|RED|MEMBAR|EXIT)$")
+
+
+def load_runs(sass: str) -> list[int]:
+    """The runs of global loads (LDG, and LD, a load from a pointer that may be global) in
+    a kernel's SASS, in program order. A thread waits on memory only where an instruction
+    uses a load's result, so the loads of one run are in flight together: a kernel whose
+    round of loads is one run waits once a round, where one whose loads sit between the
+    arithmetic that uses them waits once a load. A listing holds both sides of every
+    branch, so this is an account of the code, not of one thread's path."""
+    runs, n = [], 0
+    for m in _SASS_OP.finditer(sass):
+        op = m.group(1)
+        if op in ("LDG", "LD"):
+            n += 1
+        elif n and _ENDS_A_RUN.match(op):
+            runs.append(n)
+            n = 0
+    return runs + [n] if n else runs
+# --8<-- [end:load_runs]
 
 
 def wide_divides(ptx: str) -> int:
@@ -207,7 +253,7 @@ _CHILD = textwrap.dedent('''
     # compiling a kernel that calls device functions asks for the current device; there is
     # none here, so answer for the target we compile for
     numba.cuda.dispatcher.get_current_device = lambda: types.SimpleNamespace(compute_capability=(9, 0))
-    todo, binary = json.load(sys.stdin)
+    todo, binary, disassembler = json.load(sys.stdin)
     def dispatchers(obj, depth=0):
         if isinstance(obj, CUDADispatcher):
             yield obj
@@ -236,14 +282,16 @@ _CHILD = textwrap.dedent('''
                 failures.append(f"{module}.{qualname}{sig}: marked waits_for_inputs, but {dependent_order(ptx)}")
             if binary:
                 rows.append(dict(kernel=qualname.split(".")[-1], module=module, made_from=made_from, sig=sig,
-                                 **ptx_usage(ptx, binary)))
+                                 **ptx_usage(ptx, binary, disassembler)))
     print(json.dumps([failures, rows]))
 ''')
 
 
-def compile_recorded(launches: dict, binary: str | None, workers: int = 2) -> tuple[list[str], list[dict]]:
+def compile_recorded(launches: dict, binary: str | None, workers: int = 2,
+                     disassembler: str | None = None) -> tuple[list[str], list[dict]]:
     """(failures, rows): each recorded kernel compiled for sm_90 in a process without the
-    simulator; a row per (kernel, signature) with ptxas's numbers when `binary` is set.
+    simulator; a row per (kernel, signature) with ptxas's numbers when `binary` is set,
+    and the longest run of loads in its SASS (`load_run`) when `disassembler` is too.
     Compiling is CPU-bound and a process compiles one kernel at a time, so `workers`
     processes take a share each."""
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
@@ -251,7 +299,7 @@ def compile_recorded(launches: dict, binary: str | None, workers: int = 2) -> tu
     shares = [share for share in (todo[i::workers] for i in range(workers)) if share]
 
     def compile_share(share):
-        return subprocess.run([sys.executable, "-c", _CHILD], input=json.dumps([share, binary]), capture_output=True,
+        return subprocess.run([sys.executable, "-c", _CHILD], input=json.dumps([share, binary, disassembler]), capture_output=True,
                               text=True, env=env, timeout=1500)
 
     with ThreadPoolExecutor(max(1, len(shares))) as pool:
