@@ -102,18 +102,28 @@ def test_wide_divides_are_counted_in_ptx():
     assert wide_divides(ptx) == 2  # the float and the 32-bit divisions are single instructions
 
 
-@pytest.mark.last
-@pytest.mark.skipif(ON_GPU, reason="on a GPU the kernels are compiled for real")
-def test_every_simulated_kernel_compiles_for_sm90_without_spills():
+@pytest.fixture(scope="module")
+def compiled():
+    """(failures, rows): every kernel the simulator ran in this session, compiled for sm_90
+    once for the checks below, with ptxas's numbers and the longest run of loads in its
+    SASS (nvdisasm)."""
+    if ON_GPU:
+        pytest.skip("on a GPU the kernels are compiled for real")
     if not LAUNCHES:
         pytest.skip("no kernel ran under the simulator in this session (run it with the kernel tests)")
     try:
         import nvidia.cuda_nvrtc  # noqa: F401  (the wheel that carries NVRTC)
     except ImportError:
         pytest.fail("NVRTC is missing: pip install -e '.[dev]' brings nvidia-cuda-nvrtc-cu12")
-    binary = ptxas()
+    binary, disassembler = ptxas(), nvdisasm()
     assert binary, "ptxas is missing: pip install -e '.[dev]' brings nvidia-cuda-nvcc-cu12"
-    failures, rows = compile_recorded(LAUNCHES, binary)
+    assert disassembler, "nvdisasm is missing: pip install -e '.[dev]' brings nvidia-cuda-nvdisasm"
+    return compile_recorded(LAUNCHES, binary, disassembler=disassembler)
+
+
+@pytest.mark.last
+def test_every_simulated_kernel_compiles_for_sm90_without_spills(compiled):
+    failures, rows = compiled
     assert not failures, "\n".join(failures)
     assert rows, "ptxas measured no kernel"
     spills = [f"{r['module']}.{r['kernel']}{r['sig']}: {r['spill_stores']} bytes spilled, {r['spill_loads']} reloaded"
@@ -142,17 +152,11 @@ GROUPED_LOADS = [("matvec_kernel", "x_normed", 24), ("matvec_kernel", "x_gated",
 
 
 @pytest.mark.last
-@pytest.mark.skipif(ON_GPU, reason="on a GPU the kernels are compiled for real")
-def test_a_round_s_loads_go_out_together():
-    if not LAUNCHES:
-        pytest.skip("no kernel ran under the simulator in this session (run it with the kernel tests)")
-    binary, disassembler = ptxas(), nvdisasm()
-    assert binary and disassembler, "ptxas or nvdisasm is missing: pip install -e '.[dev]' brings both"
-    wanted = {k: v for k, v in LAUNCHES.items() if any(k[1].endswith(name) for name, _, _ in GROUPED_LOADS)}
-    if not wanted:
+def test_a_round_s_loads_go_out_together(compiled):
+    failures, rows = compiled
+    checked = [r for r in rows for name, needle, _ in GROUPED_LOADS if r["kernel"] == name and needle in r["made_from"]]
+    if not checked:
         pytest.skip("none of the kernels checked here ran in this session")
-    failures, rows = compile_recorded(wanted, binary, disassembler=disassembler)
-    assert not failures, "\n".join(failures)
     short = [f"{r['kernel']}({r['made_from']}){r['sig']}: its longest run of loads is {r['load_run']}, want {least}"
              for r in rows for name, needle, least in GROUPED_LOADS
              if r["kernel"] == name and needle in r["made_from"] and r["load_run"] < least]
