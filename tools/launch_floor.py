@@ -26,6 +26,7 @@ ahead would leave less). A variant the GPU or this Numba cannot run prints why.
 """
 import argparse
 import os
+import sys
 
 import numpy as np
 
@@ -36,8 +37,10 @@ from strata_nb.backend.cuda_graph import StepGraph  # noqa: E402
 from strata_nb.gpu.dependent_launch import let_next_start, wait_for_inputs, waits_for_inputs  # noqa: E402
 from strata_nb.gpu.launch import stream  # noqa: E402  (importing it installs the fast launch path)
 
+sys.path.insert(0, os.path.dirname(__file__))
+from expert_miss import timed  # noqa: E402  (us a call: CUDA events, the median of 5 batches)
+
 THREADS = 128
-REPS = 20
 
 
 # --8<-- [start:phase_kernels]
@@ -91,23 +94,6 @@ def barrier_kernel(values, arrived, n_phases):
             cuda.threadfence()  # what the other blocks wrote before their count is visible here
         cuda.syncthreads()
 # --8<-- [end:phase_kernels]
-
-
-def timed(run, on) -> float:
-    """Microseconds per call of run() (which queues work on stream `on`): the median of 5
-    batches of REPS, by CUDA events."""
-    run()
-    cuda.synchronize()
-    times = []
-    for _ in range(5):
-        start, end = cuda.event(), cuda.event()
-        start.record(on)
-        for _ in range(REPS):
-            run()
-        end.record(on)
-        end.synchronize()
-        times.append(cuda.event_elapsed_time(start, end) * 1000 / REPS)
-    return float(np.median(times))
 
 
 def result_ok(values, n_phases: int) -> bool:
