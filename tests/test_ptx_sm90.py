@@ -145,10 +145,12 @@ def test_every_simulated_kernel_compiles_for_sm90_without_spills(compiled):
 # The kernels a decode step waits on most, and the fewest loads their longest run must
 # hold (gpu/sm90.load_runs): a trip's or a round's loads go out together, with no branch or
 # arithmetic between them. Before they did (CHANGELOG.md, 2026-12-05 night), the same
-# kernels' longest runs were 11 (normed matvec), 4 (gated), 8 (plain) and 8 (experts).
-GROUPED_LOADS = [("matvec_kernel", "x_normed", 24), ("matvec_kernel", "x_gated", 16),
-                 ("matvec_kernel", "x_plain", 12), ("expert_down_kernel", "", 16),
-                 ("expert_gate_up_kernel", "", 12), ("attention_step_kernel", "read_float_column", 24)]
+# kernels' longest runs were 11 (normed matvec), 4 (gated), 8 (plain), 8 (experts) and
+# 16 (the step attention's unpack).
+# Each bound lies between the two: now 28, 20, 13, 20, 14 and 32 (ptxas 12.9).
+GROUPED_LOADS = [("matvec_kernel", "x_normed", 20), ("matvec_kernel", "x_gated", 12),
+                 ("matvec_kernel", "x_plain", 10), ("expert_down_kernel", "", 14),
+                 ("expert_gate_up_kernel", "", 11), ("attention_step_kernel", "read_float_column", 24)]
 
 
 @pytest.mark.last

@@ -1,6 +1,8 @@
 """What each kernel of a decode step and a prompt chunk costs an SM of the H200, without a
-GPU: registers per thread, static shared memory per thread block, spilled bytes, and how
-many warps the register file lets an SM keep (of 64). gpu/sm90.py explains the
+GPU: registers per thread, static shared memory per thread block, spilled bytes, how
+many warps the register file lets an SM keep (of 64), and the longest run of loads in
+its SASS (with nvdisasm: loads with no use of a loaded value between them,
+sm90.load_runs). gpu/sm90.py explains the
 numbers; this runs a tiny random-weight model under the simulator to record the
 launches (prefill and a decode step, resident and streamed with QSA; a prefill with the
 prompt kernels on tensor cores, as on a GPU), then compiles each for sm_90 and
@@ -19,7 +21,7 @@ import tempfile
 os.environ["NUMBA_ENABLE_CUDASIM"] = "1"  # before numba is imported: record the launches
 sys.setswitchinterval(1e-4)
 
-from strata_nb.gpu.sm90 import compile_recorded, ptxas, record_launches, warps_by_registers  # noqa: E402
+from strata_nb.gpu.sm90 import compile_recorded, nvdisasm, ptxas, record_launches, warps_by_registers  # noqa: E402
 
 
 def main(formats: list[str]) -> int:
@@ -49,18 +51,18 @@ def main(formats: list[str]) -> int:
             Engine(Settings(model=model, kv=kv, max_context=512, device="cuda"), GGUFModel(model),
                    CudaBackend()).prefill(prompt)
             tensor_core._ON = False
-    failures, rows = compile_recorded(launches, binary)
+    failures, rows = compile_recorded(launches, binary, disassembler=nvdisasm())
     for f in failures:
         print("not compiled:", f, file=sys.stderr)
     print("| kernel (made from) | registers | warps/SM by registers | shared bytes | spilled bytes | stack bytes "
-          "| 64-bit divides |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+          "| 64-bit divides | longest run of loads |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     lines = []
     for r in sorted(rows, key=lambda r: (-r["registers"], r["kernel"], r["made_from"])):
         made_from = ", ".join(v.split("=", 1)[1] for v in r["made_from"].split(",") if v)
         line = (f"| `{r['kernel']}`{' (' + made_from + ')' if made_from else ''} | {r['registers']} | "
                 f"{warps_by_registers(r['registers'])} | {r['shared']:,} | {r['spill_stores'] + r['spill_loads']} | "
-                f"{r['stack']} | {r['divides']} |")
+                f"{r['stack']} | {r['divides']} | {r.get('load_run', '')} |")
         if line not in lines:  # one row per kernel: its launches' argument layouts compile alike
             lines.append(line)
     print("\n".join(lines))
