@@ -330,10 +330,10 @@ def make_route_kernel(part, nibbles):
         l0 = p[e0] if e0 < n_expert else NEG_INF
         l1 = p[e1] if e1 < n_expert else NEG_INF
         top = warp_max(max(l0, l1))
-        x0 = math.exp(l0 - top) if e0 < n_expert else float32(0.0)
-        x1 = math.exp(l1 - top) if e1 < n_expert else float32(0.0)
-        total = warp_sum(x0 + x1)
-        prob0, prob1 = x0 / total, x1 / total
+        ex0 = math.exp(l0 - top) if e0 < n_expert else float32(0.0)
+        ex1 = math.exp(l1 - top) if e1 < n_expert else float32(0.0)
+        total = warp_sum(ex0 + ex1)
+        prob0, prob1 = ex0 / total, ex1 / total
         probs = cuda.shared.array(MAX_EXPERTS, float32)  # (E,) the probabilities
         if warp == 0:
             if e0 < n_expert:
