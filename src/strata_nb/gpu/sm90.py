@@ -299,8 +299,8 @@ def compile_recorded(launches: dict, binary: str | None, workers: int = 2,
     shares = [share for share in (todo[i::workers] for i in range(workers)) if share]
 
     def compile_share(share):
-        return subprocess.run([sys.executable, "-c", _CHILD], input=json.dumps([share, binary, disassembler]), capture_output=True,
-                              text=True, env=env, timeout=1500)
+        return subprocess.run([sys.executable, "-c", _CHILD], input=json.dumps([share, binary, disassembler]),
+                              capture_output=True, text=True, env=env, timeout=1500)
 
     with ThreadPoolExecutor(max(1, len(shares))) as pool:
         runs = list(pool.map(compile_share, shares))

@@ -101,20 +101,26 @@ PRELOAD = 4  # parts of its router row a lane loads before the norm (all of them
 
 
 @cuda.jit(device=True)
-def record_choice(t, r, slot, picked, picked_p, chosen, weights, slot_of, at, lookups, hits):
-    """Token t's choice r (of K) written for the expert kernels, its weight renormalized
-    over the K picks, and counted for the cache: a lookup, and a hit where the expert is in
-    a slot (`slot` >= 0)."""
-    e = picked[r]
-    kept = float32(0.0)  # the K probabilities' sum, in rank order
-    for i in range(chosen.shape[1]):
-        kept += picked_p[i]
-    chosen[t, r] = e
-    weights[t, r] = picked_p[r] / kept
-    slot_of[t, r] = slot
+def write_choice(t, e, rank, prob, kept, slot, chosen, weights, slot_of, at, lookups, hits):
+    """Expert e, token t's choice `rank`, written for the expert kernels with its weight
+    renormalized over the K picks (their probabilities' sum: kept), and counted for the
+    cache: a lookup, and a hit where the expert is in a slot (`slot` >= 0)."""
+    chosen[t, rank] = e
+    weights[t, rank] = prob / kept
+    slot_of[t, rank] = slot
     cuda.atomic.add(lookups, at + e, int32(1))
     if slot >= 0:
         cuda.atomic.add(hits, at + e, int32(1))
+
+
+@cuda.jit(device=True)
+def record_choice(t, r, slot, picked, picked_p, chosen, weights, slot_of, at, lookups, hits):
+    """Token t's choice r (of K), from the picks in rank order: write_choice with the K
+    probabilities' sum added in rank order."""
+    kept = float32(0.0)
+    for i in range(chosen.shape[1]):
+        kept += picked_p[i]
+    write_choice(t, picked[r], r, picked_p[r], kept, slot, chosen, weights, slot_of, at, lookups, hits)
 
 
 def make_route_kernel1(part, nibbles):
@@ -250,18 +256,6 @@ def make_route_kernel(part, nibbles):
             if probs[o] > prob or (probs[o] == prob and o < e):
                 rank += 1
         return rank
-
-    @cuda.jit(device=True)
-    def write_choice(t, e, rank, prob, kept, slot, chosen, weights, slot_of, at, lookups, hits):
-        """Expert e, token t's choice `rank`, written for the expert kernels with its weight
-        renormalized over the K picks, and counted for the cache: a lookup, and a hit where
-        the expert is in a slot."""
-        chosen[t, rank] = e
-        weights[t, rank] = prob / kept
-        slot_of[t, rank] = slot
-        cuda.atomic.add(lookups, at + e, int32(1))
-        if slot >= 0:
-            cuda.atomic.add(hits, at + e, int32(1))
 
     @cuda.jit(cache=True)
     def route_kernel(x, norm, eps, ra, rb, x_norm, chosen, weights, slot_of, res, at, lookups, hits):  # as route_kernel1's
