@@ -163,3 +163,15 @@ def test_a_round_s_loads_go_out_together(compiled):
              for r in rows for name, needle, least in GROUPED_LOADS
              if r["kernel"] == name and needle in r["made_from"] and r["load_run"] < least]
     assert not short, "\n".join(short)
+
+
+@pytest.mark.last
+def test_the_step_attention_lets_the_next_kernel_start_late(compiled):
+    """The step attention lets the next kernel launch once a split's record is written,
+    not at its start (docs: "When the next kernel may start"); the other kernels at once."""
+    failures, rows = compiled
+    steps = [r for r in rows if r["kernel"] == "attention_step_kernel"]
+    if not steps:
+        pytest.skip("the step attention did not run in this session")
+    early = [f"attention_step_kernel({r['made_from']}){r['sig']}" for r in steps if not r["late_start"]]
+    assert not early, "lets the next kernel start before its first store:\n" + "\n".join(early)

@@ -18,11 +18,14 @@ Two instructions make it (PTX `griddepcontrol`, compute capability 9.0 and up):
     let_next_start()    tells the GPU that the next kernel in the stream may be launched
                         now, once every thread block of this one has said so (or ended).
 
-The rule every dependent kernel here keeps: it calls `wait_for_inputs()` first, then
-`let_next_start()`, then does its work. So when the next kernel's blocks start, every
-kernel before this one has finished and this one is running; that next kernel waits for
-it at its own first instruction. Nothing is read early, nothing is written early, and the
-results are the same bits as with plain launches.
+The rule every dependent kernel here keeps: it calls `wait_for_inputs()` first, and
+`let_next_start()` only after it. So when the next kernel's blocks start, every kernel
+before this one has finished and this one is running; that next kernel waits for it at
+its own first instruction. Nothing is read early, nothing is written early, and the
+results are the same bits as with plain launches. Most kernels let the next one start
+at once. The step attention lets it start only when a split has written its record:
+its blocks fill the GPU, and a next kernel launched at their start would have its blocks
+placed among them, waiting, which measured slower.
 
 Which launches are dependent: a kernel marked with `waits_for_inputs(kernel)` (its
 factory marks it; its code keeps the rule), launched through the fast path

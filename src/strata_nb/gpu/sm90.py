@@ -222,6 +222,15 @@ def dependent_order(ptx: str) -> str:
     return ""
 
 
+def lets_next_start_late(ptx: str) -> bool:
+    """Whether a kernel's PTX lets the next kernel launch (launch_dependents) only after its
+    first store to global memory: the step attention's rule, which lets it launch once a
+    split's record is written (gpu/dependent_launch.py), not at its start."""
+    start = ptx.find("griddepcontrol.launch_dependents")
+    store = re.search(r"\bst\.global", ptx)
+    return start >= 0 and store is not None and store.start() < start
+
+
 # --8<-- [start:ptxas_report]
 def parse_ptxas(report: str) -> dict:
     """ptxas -v's lines for one kernel -> {registers, shared, spill_stores, spill_loads, stack}."""
@@ -249,7 +258,7 @@ _CHILD = textwrap.dedent('''
     from numba import cuda
     import numba.cuda.dispatcher
     from numba.cuda.dispatcher import CUDADispatcher
-    from strata_nb.gpu.sm90 import dependent_order, ptx_usage, variant
+    from strata_nb.gpu.sm90 import dependent_order, lets_next_start_late, ptx_usage, variant
     # compiling a kernel that calls device functions asks for the current device; there is
     # none here, so answer for the target we compile for
     numba.cuda.dispatcher.get_current_device = lambda: types.SimpleNamespace(compute_capability=(9, 0))
@@ -282,7 +291,7 @@ _CHILD = textwrap.dedent('''
                 failures.append(f"{module}.{qualname}{sig}: marked waits_for_inputs, but {dependent_order(ptx)}")
             if binary:
                 rows.append(dict(kernel=qualname.split(".")[-1], module=module, made_from=made_from, sig=sig,
-                                 **ptx_usage(ptx, binary, disassembler)))
+                                 late_start=lets_next_start_late(ptx), **ptx_usage(ptx, binary, disassembler)))
     print(json.dumps([failures, rows]))
 ''')
 

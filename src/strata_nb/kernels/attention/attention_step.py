@@ -366,9 +366,9 @@ def make_attention_step_kernel(read_k, read_v, G, D, per_split):
                               arrivals,    # (Q, n_kv) int32: 0 before the launch, 0 after it
                               out):        # (Q, G * n_kv, D) float32, written
         # A dependent launch may have started it early: q, the list and the cells are the
-        # kernels' before it (gpu/dependent_launch.py)
+        # kernels' before it (gpu/dependent_launch.py). It lets the next kernel start only
+        # once its split's record is written (at the tickets, below), not here.
         wait_for_inputs()
-        let_next_start()
         i, kv_h, split = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
         t = cuda.threadIdx.x  # of N_THREADS: the launch gives that many
         warp, lane = t // WARP, t % WARP
@@ -521,6 +521,10 @@ def make_attention_step_kernel(read_k, read_v, G, D, per_split):
         write_record(dots, top, total, seen_any, records, i, kv_h, split, t)
         # --8<-- [end:step_record]
         # --8<-- [start:step_tickets]
+        # The next kernel (the o matvec) may launch once every thread block is here or has
+        # ended (a lone split ends first). Not earlier: its blocks would be placed on the SMs
+        # while the splits still run, and wait there (docs: "How it got fast").
+        let_next_start()
         # The ticket: the block that draws the last of the (query, KV head)'s merges every record.
         split_w = k_tile  # the tiles are done with: record s's weight for head g at [g * count + s]
         if last_to_arrive(arrivals, (i, kv_h), n_splits) == 0:
