@@ -52,6 +52,8 @@ def test_a_spec_that_says_nothing_clear_is_refused(bad):
 def test_a_swapped_path_must_be_a_file_of_the_tree(repo, tmp_path):
     with pytest.raises(SystemExit, match="not a file"):
         bench_trees.prepare(["x=HEAD+src/c.py@HEAD"], trees=tmp_path / "trees")
+    with pytest.raises(SystemExit, match="missing.py .to swap in for src/a.py. is not a file"):
+        bench_trees.prepare([f"x=HEAD+src/a.py={tmp_path / 'missing.py'}"], trees=tmp_path / "trees")
     with pytest.raises(SystemExit, match="git archive nope"):
         bench_trees.prepare(["x=nope"], trees=tmp_path / "trees")
 

@@ -74,6 +74,8 @@ def prepare(specs: list[str], trees: Path = TREES) -> list[Path]:
         for path, kind, source in swaps:
             if not (tree / path).is_file():
                 raise SystemExit(f"bench_trees: {path} is not a file of {rev}'s tree")
+            if kind == "file" and not Path(source).is_file():
+                raise SystemExit(f"bench_trees: {source} (to swap in for {path}) is not a file")
             data = git("show", f"{source}:{path}") if kind == "rev" else Path(source).read_bytes()
             (tree / path).write_bytes(data)
         made.append(tree)
