@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -66,8 +67,7 @@ def prepare(specs: list[str], trees: Path = TREES) -> list[Path]:
     for spec in specs:
         name, rev, swaps = parse_spec(spec)
         tree = trees / name
-        if tree.exists():
-            subprocess.run(["rm", "-rf", str(tree)], check=True)
+        shutil.rmtree(tree, ignore_errors=True)
         tree.mkdir(parents=True)
         archive = git("archive", rev, "src")
         subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
@@ -124,7 +124,7 @@ def run(names: list[str], rounds: int, bench_args: list[str], out: Path, trees: 
                                                 [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
             cmd = [python, "-m", "strata_nb.cli", "bench", *bench_args, "--out", str(folder)]
             done = subprocess.run(cmd, env=env, capture_output=True, text=True)
-            (out / f"{name}_{r}.log").parent.mkdir(parents=True, exist_ok=True)
+            out.mkdir(parents=True, exist_ok=True)
             (out / f"{name}_{r}.log").write_text(done.stdout + done.stderr)
             if done.returncode:
                 print(f"{name}, round {r}: the bench failed (exit {done.returncode}); see {out}/{name}_{r}.log",
