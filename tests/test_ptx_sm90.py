@@ -168,7 +168,8 @@ def test_a_round_s_loads_go_out_together(compiled):
 @pytest.mark.last
 def test_the_step_attention_lets_the_next_kernel_start_late(compiled):
     """The step attention lets the next kernel launch once a split's record is written,
-    not at its start (docs: "When the next kernel may start"); the other kernels at once."""
+    not at its start (docs: "When the next kernel may start"): in its PTX, launch_dependents
+    comes after a store to global memory."""
     failures, rows = compiled
     steps = [r for r in rows if r["kernel"] == "attention_step_kernel"]
     if not steps:

@@ -165,8 +165,8 @@ def main():
         if blocks > most:
             print(f"  barrier    not run: {blocks} blocks cannot all be resident at once (at most {most})")
             continue
-        # the counts go on from pass to pass (a copy that zeroed them took ~100 us a pass on
-        # an H100, through Numba, and hid the barrier's own cost)
+        # the counts go on from pass to pass, so a timed pass is the kernel alone: nothing
+        # is copied to zero them between passes
         passes = [0]
 
         def barrier_pass():
