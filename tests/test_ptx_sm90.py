@@ -176,3 +176,22 @@ def test_the_step_attention_lets_the_next_kernel_start_late(compiled):
         pytest.skip("the step attention did not run in this session")
     early = [f"attention_step_kernel({r['made_from']}){r['sig']}" for r in steps if not r["late_start"]]
     assert not early, "lets the next kernel start before its first store:\n" + "\n".join(early)
+
+
+@pytest.mark.last
+def test_each_step_attention_build_fits_its_blocks_an_sm(compiled):
+    """The step attention's two builds (attention_step.py): the one for three thread blocks
+    an SM keeps to registers that three blocks of 256 threads can have (the compiler does it
+    by itself, with no launch bounds to make it), the one for two uses more than that, as
+    its launch bounds let it. Shared memory holds three of either."""
+    failures, rows = compiled
+    steps = [r for r in rows if r["kernel"] == "attention_step_kernel"]
+    builds = {r["made_from"].rsplit("per_sm=", 1)[-1] for r in steps}
+    if builds != {"2", "3"}:
+        pytest.skip(f"both builds did not run in this session (ran: {sorted(builds)})")
+    warps = 256 // 32
+    wrong = [f"attention_step_kernel({r['made_from']}){r['sig']}: {r['registers']} registers"
+             for r in steps for per_sm in [int(r["made_from"].rsplit("per_sm=", 1)[-1])]
+             if warps_by_registers(r["registers"]) // warps != per_sm or 3 * r["shared"] > 227 * 1024]
+    assert not wrong, "\n".join(wrong)
+

@@ -223,6 +223,37 @@ def test_a_lone_split_gives_the_merges_bits(nan_records, fmt, q_pos, per_split):
     assert not ticket_counters("attention_step", (1, N_KV)).copy_to_host().any()
 
 
+# ---- two builds: two or three thread blocks an SM ------------------------------------------
+
+def test_which_build_a_launch_gets(monkeypatch):
+    """Two an SM while the thread blocks that can see a cell fit two to every SM; the
+    default model's widest such list (3 KV heads of 64 dims, 4 blocks a split) on a
+    132-SM GPU is 88 splits a KV head: 352 blocks, 5,632 cells."""
+    monkeypatch.setattr(attention_step_module, "multiprocessors", lambda: 132)
+    assert [attention_step_module.blocks_per_sm(n) for n in (1, 264, 265, 384)] == [2, 2, 3, 3]
+    assert attention_step_module.two_per_sm_columns(3, 64) == 352
+    assert attention_step_module.two_per_sm_columns(300, 64) == 0  # not one split per KV head
+
+
+@pytest.mark.parametrize("fmt, q_pos, per_split", [("k8v4", 90, 1), ("fp16", 40, 4)])
+def test_the_two_builds_give_the_same_bits(nan_records, monkeypatch, fmt, q_pos, per_split):
+    """The builds for two and three thread blocks an SM differ in the registers a thread
+    may use, not in arithmetic: the same bits through the merge (k8v4, rotated there) and
+    through a lone split (fp16). The SM count is set so the same launch gets each build."""
+    args = lone_case(fmt, q_pos)
+    picks = []
+    choose = attention_step_module.blocks_per_sm
+    monkeypatch.setattr(attention_step_module, "blocks_per_sm", lambda n: picks.append(choose(n)) or picks[-1])
+    out = []
+    for sms in (1, 1000):
+        monkeypatch.setattr(attention_step_module, "multiprocessors", lambda: sms)
+        out.append(run(lambda *a: attention(*a, per_split=per_split, rotate_out=fmt == "k8v4"), *args))
+    assert picks == [3, 2]
+    assert out[0].tobytes() == out[1].tobytes()
+    want = run(lambda *a: attention_ref(*a, rotate_out=fmt == "k8v4"), *args)
+    np.testing.assert_allclose(out[0], want, atol=ATOL, rtol=RTOL)
+
+
 def test_a_lone_split_trusts_the_order():
     """The shortcut is taken on the list's word: a device list that claims to be ordered
     but has a seen block after padding loses that block's cells (so the shortcut runs, and

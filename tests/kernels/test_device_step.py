@@ -19,6 +19,7 @@ from strata_nb.errors import StrataError
 from strata_nb.kernels.step.advance_step import advance_step, advance_step_ref
 from strata_nb.kernels.kv.hadamard import hadamard, hadamard_ref
 from strata_nb.gpu.launch import Capture, capturing
+import strata_nb.kernels.attention.attention_step as attention_step_module
 from strata_nb.kernels.step.sample_top_p import sample_top_p_ref
 from strata_nb.model.gguf_file import GGUFModel
 from strata_nb.settings import SamplingSettings, Settings
@@ -58,6 +59,24 @@ def test_device_step_equals_host_path(tiny_model, kv):
         np.testing.assert_array_equal(step.logits_on_host(), want, err_msg=f"{kv} step {i}")
         assert picked == int(np.argmax(want))
         token = picked
+
+
+def test_a_step_early_in_the_context_reads_a_narrow_list(tiny_model, monkeypatch):
+    """A resident step reads only the list's first `two_per_sm_columns` blocks while its
+    query lies in them (the step attention's two-an-SM build), and the whole list after:
+    a graph for each width on a GPU, the host path's bits on either side."""
+    monkeypatch.setattr(attention_step_module, "multiprocessors", lambda: 1)  # 2 splits of 4 blocks: 128 cells
+    eng = engine(tiny_model, "fp16", max_context=256)
+    step = eng.device_step()
+    assert step.kv.step.narrow == 8
+    token = int(np.argmax(eng.prefill(PROMPT)))
+    for pos in (126, 127, 128, 129):  # two steps a width: the second captures its graph on a GPU
+        want = eng.decode_one_token(token, pos)
+        picked = step.run(token, pos)
+        np.testing.assert_array_equal(step.logits_on_host(), want, err_msg=f"position {pos}")
+        token = picked
+    assert step.widths_launched == {8, 16}
+    assert set(step.graphs) == ({8, 16} if step.use_graph else set())
 
 
 def test_host_sampled_tokens_are_written_back(tiny_model):

@@ -63,9 +63,9 @@ def step(eng):
         advance_step(s.token, s.pos, s.chosen)
         return s.token  # as logits: the step's output array
 
-    def counted_queue():  # launched, or replayed from the graph
+    def counted_queue(pos):  # launched, or replayed from the graph
         s.queued.append(1)
-        return queue()
+        return queue(pos)
 
     s.launch, s._queue = launch, counted_queue
     return s

@@ -10,7 +10,10 @@ arrays, which every launch copies over. Here they stay on the device:
                        (kv/step_blocks.py: StepBlocks)
 
 so one step's launches are the same every token and can be captured once into a CUDA graph
-(backend/cuda_graph.py) and replayed. Greedy decode, and temperature / top-p sampling
+(backend/cuda_graph.py) and replayed. Early in a resident cache the list is narrower: only
+its first blocks, so few that the step attention runs its build for two thread blocks an
+SM (kernels/attention/attention_step.py). So the step keeps a graph per list width, two
+at most, and replays the one for the position. Greedy decode, and temperature / top-p sampling
 (drawn on the device from a seed and the position), then never wait on the host between
 steps: `run_ahead` queues the next step before it reads this one's 4-byte pick from mapped
 memory. Top-k sampling reads the logits back and writes its token over `token`, one
@@ -57,7 +60,11 @@ class DeviceStep:
         self.pos = be.asarray(np.zeros(1, np.int32))
         self.chosen = be.host_array((PICK_RING,), np.int32)  # mapped: step p's pick at p % PICK_RING
         self.use_graph = use_graph and gpu_present()
-        self.graph = None  # captured on the second step: the first compiles every kernel
+        # a graph per list width (kv/step_blocks.py: width_for), each captured on the second
+        # step at that width: the first compiles every kernel it launches
+        self.graphs = {}
+        self.graph = None  # the last queued step's graph, None while its width has none
+        self.widths_launched = set()  # the list widths a step has been launched at, kernel by kernel
         self.logits = None  # (1, vocab) device array the step writes
         self._next = None  # (token, pos) the device buffers hold now
 
@@ -79,7 +86,7 @@ class DeviceStep:
     def run(self, token: int, pos: int) -> int:
         """Decode `token` at `pos`; returns the step's pick (logits in `self.logits`)."""
         self._write_inputs(token, pos)
-        return self._pick(pos, self._queue())
+        return self._pick(pos, self._queue(pos))
 
     # --8<-- [start:run_ahead]
     def run_ahead(self, token: int, pos: int, n: int):
@@ -96,11 +103,11 @@ class DeviceStep:
             return
         self._check_position(pos + n - 1)  # before anything runs
         self._write_inputs(token, pos)
-        queued = [(pos, self._queue())]
+        queued = [(pos, self._queue(pos))]
         try:
             for k in range(n):
                 if k + 1 < n:
-                    queued.append((pos + k + 1, self._queue()))
+                    queued.append((pos + k + 1, self._queue(pos + k + 1)))
                 at, done = queued.pop(0)
                 yield self._pick(at, done)
         finally:
@@ -131,23 +138,29 @@ class DeviceStep:
             self.be.copy_into(self.pos, np.array([pos], np.int32))
             self.kv.before_device_steps(pos)
 
-    def _queue(self):
-        """One step's launches, queued: replayed from the graph once there is one (captured
-        on the second step: the first compiles every kernel). Returns an event that fires
-        when the step is done."""
+    def _queue(self, pos: int):
+        """The launches of the step at `pos`, queued: replayed from the graph of its list
+        width once there is one (captured on the second step at that width: the first
+        compiles every kernel). Returns an event that fires when the step is done."""
         if self.weights.experts is not None:
             self.weights.experts.after_pass()  # the expert cache adapts between steps, not inside one
-        if self.graph is None and self.use_graph and self.logits is not None:
+        blocks = self.kv.step
+        width = blocks.width_for(pos)
+        if width not in self.graphs and self.use_graph and width in self.widths_launched:
             from ..backend.cuda_graph import StepGraph
 
             self.be.synchronize()
-            self.graph = StepGraph(self.launch)  # records the launches; runs nothing
-            self.logits = self.graph.result
+            with blocks.narrowed(width):
+                self.graphs[width] = StepGraph(self.launch)  # records the launches; runs nothing
+        self.graph = self.graphs.get(width)
         if self.graph is not None:
+            self.logits = self.graph.result
             self.graph.replay()
             on = self.graph.stream
         else:
-            self.logits = self.launch()
+            with blocks.narrowed(width):
+                self.logits = self.launch()
+            self.widths_launched.add(width)
             on = stream()
         self.kv.device_pass_queued()
         done = cuda.event()

@@ -9,6 +9,8 @@ warp-shuffle device functions (gpu/reduce.py), which the simulator does not have
 
 Kernel files import their sizes from here, so this table is the whole difference.
 """
+import functools
+
 from numba import config
 
 SIMULATED: bool = config.ENABLE_CUDASIM
@@ -17,6 +19,19 @@ SIMULATED: bool = config.ENABLE_CUDASIM
 def on_gpu(gpu, simulator):
     """`gpu` on a real device, `simulator` under NUMBA_ENABLE_CUDASIM=1."""
     return simulator if SIMULATED else gpu
+
+
+SIMULATED_SMS = 2  # the simulator's SMs, for a kernel choice that counts them
+
+
+@functools.cache
+def multiprocessors() -> int:
+    """The GPU's SMs (132 on an H100 or H200), read once; SIMULATED_SMS under the simulator."""
+    if SIMULATED:
+        return SIMULATED_SMS
+    from numba import cuda
+
+    return cuda.get_current_device().MULTIPROCESSOR_COUNT
 
 
 # ---- dense: kernels/dense/ -------------------------------------------------------------

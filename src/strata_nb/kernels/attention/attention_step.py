@@ -43,6 +43,17 @@ the first goes from its V sums straight to the merge's last stage (`write_output
 no record, ticket or merge. The merge would have weighed its one record by exp(0) = 1
 and added zeros: the same bits.
 
+Two builds of it, by thread blocks an SM. A split's thread block has 256 threads and
+about 44 KiB of shared tiles. Left to itself, the compiler gives each thread at most 80
+registers, so three thread blocks fit an SM: 396 on a 132-SM GPU, enough for a deep
+context's splits in one wave. Built with `launch_bounds=(256, 2)` it may use up to 128
+registers, and two fit. With more registers its chains of loads and sums are shorter, so
+each thread block finishes sooner. So a launch whose thread blocks that can see a cell fit
+two to an SM (`blocks_per_sm`) gets the two-an-SM build; a larger one gets the
+three-an-SM build. That is a short context's step, a QSA step, or a step whose list the
+decode step keeps narrow (`two_per_sm_columns`, kv/step_blocks.py). Both builds run the
+same arithmetic in the same order, so their bits are the same.
+
 With `rotate`, the merging block also applies the Hadamard transform to each head row
 (hadamard.py's butterflies, one pair per thread per round, the same additions in the
 same order: the same bits as hadamard_ref on the output), which is how a rotated V comes
@@ -64,7 +75,7 @@ from strata_nb.kernels.kv.hadamard import fwht64_rows, hadamard
 from strata_nb.kernels.kv.kv_readers import READERS, SIDES
 from strata_nb.gpu.dependent_launch import let_next_start, wait_for_inputs, waits_for_inputs
 from strata_nb.gpu.launch import device_empty, last_to_arrive, stream, ticket_counters
-from strata_nb.gpu.geometry import MERGE_UNROLL, STEP_THREADS
+from strata_nb.gpu.geometry import MERGE_UNROLL, SIMULATED, STEP_THREADS, multiprocessors
 from strata_nb.gpu.reduce import WARP, warp_max, warp_sum
 from strata_nb.kv_layout import BLOCK
 
@@ -131,7 +142,7 @@ def max_cells(head_dim: int, group: int) -> int:
     """The most cells one query's list may cover at the default split: the merge keeps a
     weight per (head, split) in the K tile (K_TILE_VALUES), in whole merge rounds. The
     backend checks --max-context against it."""
-    per_split = min(STEP_BLOCKS_PER_SPLIT, split_fits(head_dim))
+    per_split = default_per_split(head_dim)
     unit = split_lanes(head_dim, group) * MERGE_UNROLL
     return K_TILE_VALUES // group // unit * unit * per_split * BLOCK
 
@@ -214,9 +225,11 @@ def attention_step1(fmt, args, sides, out, rotate_out: bool):
 
 
 # --8<-- [start:attention_step_kernel]
-def make_attention_step_kernel(read_k, read_v, G, D, per_split):
+def make_attention_step_kernel(read_k, read_v, G, D, per_split, per_sm=3):
     """The kernel for one format (how it reads a column of K and of V: kv_readers.py), G
-    query heads per KV head, head_dim D and `per_split` selected blocks per split. All
+    query heads per KV head, head_dim D, `per_split` selected blocks per split and
+    `per_sm` thread blocks an SM (3: as the compiler builds it; 2: launch bounds that let
+    each thread have up to 128 registers). All
     are compiled in, with the block's thread count: the loops over heads unroll and a
     thread's G sums live in registers, and every index is divided by a constant. (Numba
     does integer arithmetic in 64 bits; a division by a value known only at run time,
@@ -351,7 +364,10 @@ def make_attention_step_kernel(read_k, read_v, G, D, per_split):
         cuda.syncthreads()
     # --8<-- [end:step_merge]
 
-    @cuda.jit(cache=True)
+    # the simulator takes no launch bounds (and has no registers to give)
+    bounds = {} if per_sm == 3 or SIMULATED else {"launch_bounds": (N_THREADS, per_sm)}
+
+    @cuda.jit(cache=True, **bounds)
     def attention_step_kernel(q,           # (Q, G * n_kv, D) float32
                               q_pos,       # (Q,) int32
                               blocks,      # (Q, S) int32, -1 = padding
@@ -365,6 +381,9 @@ def make_attention_step_kernel(read_k, read_v, G, D, per_split):
                               flat,        # (records.size,) float32: the same memory, for the merge's loads
                               arrivals,    # (Q, n_kv) int32: 0 before the launch, 0 after it
                               out):        # (Q, G * n_kv, D) float32, written
+        # Which build this is, in its closure (its code never reads it): Numba's disk cache
+        # tells two kernels of one factory apart by their closures, not their launch bounds.
+        _ = per_sm
         # A dependent launch may have started it early: q, the list and the cells are the
         # kernels' before it (gpu/dependent_launch.py). It lets the next kernel start only
         # once its split's record is written (at the tickets, below), not here.
@@ -538,12 +557,34 @@ def make_attention_step_kernel(read_k, read_v, G, D, per_split):
 # --8<-- [end:attention_step_kernel]
 
 
-# One kernel per (format, G, head_dim, blocks per split), made at import so a sm_90
-# compile can find them; Numba compiles each on its first launch.
+# One kernel per (format, G, head_dim, blocks per split, thread blocks an SM), made at
+# import so a sm_90 compile can find them; Numba compiles each on its first launch.
 SPLIT_CHOICES = (1, 2, 4)  # blocks per split a launch may ask for (and the tiles hold)
-STEP_KERNELS = {(fmt, g, d, n): make_attention_step_kernel(READERS[k], READERS[v], g, d, n)
+PER_SM_CHOICES = (2, 3)  # thread blocks an SM a build is made for
+STEP_KERNELS = {(fmt, g, d, n, m): make_attention_step_kernel(READERS[k], READERS[v], g, d, n, m)
                 for fmt, (k, v) in SIDES.items() for g in range(1, MAX_GROUP + 1) for d in HEAD_DIMS
-                for n in SPLIT_CHOICES if n <= split_fits(d)}
+                for n in SPLIT_CHOICES if n <= split_fits(d) for m in PER_SM_CHOICES}
+
+
+# --8<-- [start:blocks_per_sm]
+def blocks_per_sm(thread_blocks: int) -> int:
+    """Which build a launch gets: 2 an SM when `thread_blocks`, those of its splits that can
+    see a cell, fit two to every SM (one wave of the build with more registers), else 3."""
+    return 2 if thread_blocks <= 2 * multiprocessors() else 3
+
+
+def default_per_split(head_dim: int) -> int:
+    """Selected blocks per split when the caller does not say: as many as the tiles hold,
+    up to STEP_BLOCKS_PER_SPLIT."""
+    return min(STEP_BLOCKS_PER_SPLIT, split_fits(head_dim))
+
+
+def two_per_sm_columns(n_kv: int, head_dim: int) -> int:
+    """The widest list of blocks (columns) whose splits, for one query, all fit two thread
+    blocks to an SM: a decode step whose query sees no further reads a list this wide and
+    gets the two-an-SM build. 0 when even one split per KV head does not fit."""
+    return 2 * multiprocessors() // n_kv * default_per_split(head_dim)
+# --8<-- [end:blocks_per_sm]
 
 
 def attention_step(fmt, n_kv, args, sides, out, rotate_out: bool, per_split: int | None, ordered: bool = False):
@@ -556,7 +597,7 @@ def attention_step(fmt, n_kv, args, sides, out, rotate_out: bool, per_split: int
     n_q, n_heads, head_dim = q.shape
     group = n_heads // n_kv
     fits = split_fits(head_dim)
-    per_split = min(STEP_BLOCKS_PER_SPLIT, fits) if per_split is None else per_split
+    per_split = default_per_split(head_dim) if per_split is None else per_split
     assert per_split in SPLIT_CHOICES and per_split <= fits, \
         f"per_split {per_split} is not one of {SPLIT_CHOICES} up to {fits} (the shared tiles)"
     assert group <= MAX_GROUP and head_dim in HEAD_DIMS, \
@@ -564,6 +605,8 @@ def attention_step(fmt, n_kv, args, sides, out, rotate_out: bool, per_split: int
     n_splits = padded_splits(blocks.shape[1], per_split, head_dim, group)
     assert group * n_splits <= K_TILE_VALUES, f"{n_splits} splits: raise per_split for the merge's weights"
     records = device_empty((n_q, n_kv, n_splits, group, record_width(head_dim)), np.float32)
-    STEP_KERNELS[fmt, group, head_dim, per_split][(n_q, n_kv, n_splits), STEP_THREADS, stream()](
+    # the splits past the list's last column (padding for the merge) see no cell
+    per_sm = blocks_per_sm(n_q * n_kv * -(-blocks.shape[1] // per_split))
+    STEP_KERNELS[fmt, group, head_dim, per_split, per_sm][(n_q, n_kv, n_splits), STEP_THREADS, stream()](
         *args, np.int32(ordered), np.int32(rotate_out), *sides, records, records.reshape(records.size),
         ticket_counters("attention_step", (n_q, n_kv)), out)
