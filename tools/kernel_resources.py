@@ -4,7 +4,8 @@ many warps the register file lets an SM keep (of 64), and the longest run of loa
 its SASS (with nvdisasm: loads with no use of a loaded value between them,
 sm90.load_runs). gpu/sm90.py explains the
 numbers; this runs a tiny random-weight model under the simulator to record the
-launches (prefill and a decode step, resident and streamed with QSA; a prefill with the
+launches (prefill and a decode step, resident and streamed with QSA, the resident step
+also past its narrow list, so both builds of the step attention run; a prefill with the
 prompt kernels on tensor cores, as on a GPU), then compiles each for sm_90 and
 asks ptxas. The tiny model has 2 query heads per KV head where the default
 model has 3: the step attention is compiled per group size, the rest is the same code.
@@ -30,6 +31,7 @@ def main(formats: list[str]) -> int:
     from strata_nb.gpu import tensor_core
     from strata_nb.model.gguf_file import GGUFModel
     from strata_nb.model.synthetic import write_synthetic_gguf
+    from strata_nb.kv_layout import BLOCK
     from strata_nb.settings import Settings
 
     binary = ptxas()
@@ -46,7 +48,10 @@ def main(formats: list[str]) -> int:
                 eng = Engine(Settings(model=model, kv=kv, max_context=512, device="cuda", **extra),
                              GGUFModel(model), CudaBackend())
                 token = int(eng.prefill(prompt).argmax())
-                eng.device_step().run(token, len(prompt))
+                step = eng.device_step()
+                step.run(token, len(prompt))
+                if eng.kv.step.narrow:  # a resident step past the narrow list: the other build
+                    step.run(token, eng.kv.step.narrow * BLOCK)
             tensor_core._ON = True  # the prompt chunk's matmuls and attention on tensor cores
             Engine(Settings(model=model, kv=kv, max_context=512, device="cuda"), GGUFModel(model),
                    CudaBackend()).prefill(prompt)

@@ -166,7 +166,7 @@ def test_a_queued_pass_marks_the_device_s_maps_newer(tiny_model, kv, kw, newer):
     eng = engine(tiny_model, kv, max_context=128, spec=4, **kw)
     windows, step = eng.spec_passes()
     window = windows[4]
-    for queued in (lambda: step._queue().synchronize(), lambda: window.run([5, 6], 0)):
+    for queued in (lambda: step._queue(0).synchronize(), lambda: window.run([5, 6], 0)):
         step.launch = window.launch = lambda: None  # as a replay: no Python of the launches runs
         eng.kv.sync_from_device()
         assert not eng.kv._device_newer

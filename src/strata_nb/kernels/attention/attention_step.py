@@ -44,8 +44,8 @@ no record, ticket or merge. The merge would have weighed its one record by exp(0
 and added zeros: the same bits.
 
 Two builds of it, by thread blocks an SM. A split's thread block has 256 threads and
-about 44 KiB of shared tiles. Left to itself, the compiler gives each thread at most 80
-registers, so three thread blocks fit an SM: 396 on a 132-SM GPU, enough for a deep
+about 44 KiB of shared tiles. As written, it compiles to 72 to 80 registers a thread
+(ptxas, sm_90), so three thread blocks fit an SM: 396 on a 132-SM GPU, enough for a deep
 context's splits in one wave. Built with `launch_bounds=(256, 2)` it may use up to 128
 registers, and two fit. With more registers its chains of loads and sums are shorter, so
 each thread block finishes sooner. So a launch whose thread blocks that can see a cell fit
