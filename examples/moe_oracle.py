@@ -59,9 +59,9 @@ be, chosen = routed.be, []  # chosen: one (T, K) array of expert ids per MoE lay
 ffn_add = be.moe_ffn_add_
 
 
-def moe_ffn_add_(x, norm, eps, router, experts, layer, ahead=None):  # the backend's op, noting its routing first
+def moe_ffn_add_(x, norm, eps, router, experts, layer, ahead=None, last=None):  # the backend's op, routing noted
     chosen.append(moe_route_ref(be.rmsnorm(x, norm, eps), router, experts.k)[0])
-    return ffn_add(x, norm, eps, router, experts, layer, ahead=ahead)
+    return ffn_add(x, norm, eps, router, experts, layer, ahead=ahead, last=last)
 
 
 be.moe_ffn_add_ = moe_ffn_add_

@@ -75,6 +75,31 @@ def test_route_matches_the_reference(qtype, d, plain):
 
 
 @pytest.mark.parametrize("plain", [False, True], ids=["fast", "plain"])
+def test_route_counts_no_padding(plain):
+    """A padded prompt chunk's rows after `last` repeat its last token: they are routed (the
+    expert kernels compute them) but not counted as the cache's lookups and hits, in the
+    kernel as in the reference. Here 5 rows, of which rows 0 .. 1 are tokens."""
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((5, D)).astype(np.float32)
+    raw = quantized(rng, "F32", (E, D), scale=0.3)
+    res, last = table(rng, 2), np.array([1], np.int32)
+    outs = []
+    for fn, router in ((route_ref, dequantize(raw, "F32")), (route, raw)):
+        c, w, so = np.zeros((5, K), np.int32), np.zeros((5, K), np.float32), np.zeros((5, K), np.int32)
+        lookups, hits = np.zeros(LAYERS * E, np.int32), np.zeros(LAYERS * E, np.int32)
+        args = (x, np.ones(D, np.float32), 1e-5) + ((router,) if fn is route_ref else (raw, "F32"))
+        fn(*args, np.zeros((5, D), np.float32), c, w, so, res, AT, lookups, hits,
+           *((last,) if fn is route_ref else (plain, last)))
+        outs.append((c, lookups, hits))
+    (c, lk, h), (c_k, lk_k, h_k) = outs
+    np.testing.assert_array_equal(c_k, c)
+    np.testing.assert_array_equal(lk_k, lk)
+    np.testing.assert_array_equal(h_k, h)
+    assert lk.sum() == 2 * K  # two tokens' choices; the three padding rows' none
+    np.testing.assert_array_equal(lk[AT:], np.bincount(c[:2].ravel(), minlength=E))
+
+
+@pytest.mark.parametrize("plain", [False, True], ids=["fast", "plain"])
 def test_route_breaks_ties_toward_the_lower_id(plain):
     """Equal logits (a zero router): every expert equally likely; the reference's stable
     sort takes experts 0 .. K-1, and so must the kernel."""

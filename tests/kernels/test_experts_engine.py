@@ -114,6 +114,22 @@ def test_negative_control_early_resident_is_caught(copies, cuda_resident):
     assert not np.array_equal(got, cuda_resident)
 
 
+def test_a_padded_prompt_chunk_counts_only_its_tokens(copies, monkeypatch):
+    """A prompt chunk replayed from device memory (engine/prompt_chunk.py, on as on a GPU)
+    is padded to its width with its last token: 3 tokens in a chunk of 16 rows. The expert
+    cache counts the 3 tokens' choices, as the numpy backend does, not the 16 rows'."""
+    monkeypatch.setattr(prompt_chunk, "_ON", True)
+    counts = {}
+    for device in ("cuda", "cpu"):
+        eng = Engine.load(model=copies, device=device, max_context=64, prefill_chunk=16, expert_cache=2)
+        if device == "cuda":
+            assert eng.prompt_chunks() is not None  # the padded path, not the host-launched one
+        eng.prefill(PROMPT)
+        counts[device] = eng.weights.experts.stats()
+    assert counts["cuda"].lookups == counts["cpu"].lookups == len(PROMPT) * 2  # K = 2, one layer
+    assert counts["cuda"].hits == counts["cpu"].hits
+
+
 def test_rows_alone_an_moe_prompt_resumed_mid_chunk_writes_the_same_cells(dense, monkeypatch):
     """Rows alone (engine/prompt_chunk.py, on): a prompt of 11 tokens in chunks
     of 16, and the same prompt resumed at 9 (a chunk of 2 rows), through a random router

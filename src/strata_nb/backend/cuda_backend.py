@@ -350,9 +350,10 @@ class CudaBackend:
         return x
 
     def moe_ffn_add_(self, x, norm, eps: float, router: DeviceMatrix, experts, layer: int,
-                     ahead: DeviceMatrix | None = None):
+                     ahead: DeviceMatrix | None = None, last=None):
         # Three launches: the router (with the norm), the chosen experts' gate|up with SwiGLU,
         # their down products added to x. The ids stay on the device, so a graph replays them.
+        # The router counts the cache's lookups for rows 0 .. last[0] only (after: padding).
         # The down kernel reads `ahead` (the next product's weights) into L2, as matvec does.
         n, k, at = x.shape[0], experts.k, experts.at(layer)
         chosen, weights = device_empty((n, k), np.int32), device_empty((n, k), np.float32)
@@ -360,7 +361,7 @@ class CudaBackend:
         h = device_empty((n, k, experts.host_gate_up.shape[1] // 2), np.float32)
         x_norm = device_empty(x.shape, np.float32)
         route(x, norm, eps, router.raw, router.qtype, x_norm, chosen, weights, slot_of, experts.res, at,
-              experts.lookups, experts.hits)
+              experts.lookups, experts.hits, last=last)
         expert_gate_up(x_norm, chosen, slot_of, at, experts.slot_gate_up, experts.host_gate_up, experts.qtype, h,
                        ahead=(experts.slot_down, experts.host_down))
         expert_down(h, chosen, weights, slot_of, at, experts.slot_down, experts.host_down, experts.qtype, x,

@@ -168,14 +168,15 @@ class NumpyBackend:
         # x += swiglu(gate_up) @ W.T, in place
         return self.add_(x, self.matmul(self.swiglu(gate_up), w))
 
-    def moe_ffn_add_(self, x, norm, eps: float, router, experts, layer: int, ahead=None):
+    def moe_ffn_add_(self, x, norm, eps: float, router, experts, layer: int, ahead=None, last=None):
         # x += the FFN of an MoE layer: rmsnorm(x) routed to K of E experts, each read from
-        # its slot or the host copy of the expert cache `experts` (kernels/experts/)
+        # its slot or the host copy of the expert cache `experts` (kernels/experts/); rows
+        # after `last` (padding) are not counted as the cache's lookups
         n, k, at = x.shape[0], experts.k, experts.at(layer)
         x_norm = np.empty_like(x)  # (n, d)
         chosen, weights = np.empty((n, k), np.int32), np.empty((n, k), np.float32)
         route_ref(x, norm, eps, router, x_norm, chosen, weights, np.empty((n, k), np.int32), experts.res, at,
-                  experts.lookups, experts.hits)
+                  experts.lookups, experts.hits, None if last is None else np.asarray(last))
         h = np.empty((n, k, experts.host_gate_up.shape[1] // 2), np.float32)  # (n, K, F)
         expert_gate_up_ref(x_norm, chosen, experts.res, at, experts.slot_gate_up, experts.host_gate_up, h)
         expert_down_ref(h, chosen, weights, experts.res, at, experts.slot_down, experts.host_down, x)

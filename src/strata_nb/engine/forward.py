@@ -21,7 +21,8 @@ def forward(be, w: ModelWeights, kv, ids, positions, prompt: bool, all_logits: b
     prompt: a prompt chunk (attends every earlier cell) rather than a decode step or
     verify window (attends the blocks its queries select). last: (1,) int32 in device
     memory, the row whose logits to make (a padded prompt chunk's last real row,
-    engine/prompt_chunk.py), instead of row n - 1."""
+    engine/prompt_chunk.py), instead of row n - 1; the rows after it are padding, which
+    the expert cache does not count as tokens."""
     cfg = w.config
     n, eps = len(ids), cfg.rms_eps
     pos = be.asarray(positions)
@@ -41,7 +42,7 @@ def forward(be, w: ModelWeights, kv, ids, positions, prompt: bool, all_logits: b
                 gate_up = be.normed_matmul(x, L.ffn_norm, eps, L.wgate_up, ahead=L.wdown)  # (n, 2 ff)
                 be.gated_matmul_add_(x, gate_up, L.wdown, ahead=after)  # x += swiglu(gate_up) Wdown
             else:  # experts: each token's K of E SwiGLU FFNs, weighted by the router, from the expert cache
-                be.moe_ffn_add_(x, L.ffn_norm, eps, L.router, w.experts, layer, ahead=after)
+                be.moe_ffn_add_(x, L.ffn_norm, eps, L.router, w.experts, layer, ahead=after, last=last)
     if last is not None:
         x = be.embed(x, last)  # row last[0], gathered on the device
     elif not all_logits:

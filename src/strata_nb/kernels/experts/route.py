@@ -50,7 +50,7 @@ from numba import cuda, float32, int32
 
 from strata_nb.gpu.dependent_launch import let_next_start, wait_for_inputs, waits_for_inputs
 from strata_nb.gpu.geometry import ROUTE_THREADS
-from strata_nb.gpu.launch import DeviceArgs, expect, stream
+from strata_nb.gpu.launch import DeviceArgs, absent, expect, stream
 from strata_nb.gpu.reduce import NEG_INF, WARP, block_sum, warp_max, warp_sum
 from strata_nb.kernels.dense.gguf_rows import PART, PARTS, QK, QTYPES, part_runs, row_bytes, weight_views
 from strata_nb.kernels.dense.matvec import dot_tolerance
@@ -75,12 +75,15 @@ def route_ref(x,        # (T, D) float32: the residual stream
               res,      # (L * E,) int32: expert at + e's slot, or -1
               at,       # int: this layer's first entry, layer * E
               lookups,  # (L * E,) int32: +1 for each token that chose the expert
-              hits):    # (L * E,) int32: +1 for each of those while it was resident
+              hits,     # (L * E,) int32: +1 for each of those while it was resident
+              last=None):  # (1,) int32: only rows 0 .. last[0] are tokens to count (a padded
+                           # prompt chunk's rows after it repeat its last token); None = all
     rmsnorm_ref(x, norm, eps, x_norm)
     c, w = moe_route_ref(x_norm, router, chosen.shape[1])
     chosen[...], weights[...] = c, w
     slot_of[...] = res[at + c]
-    entries = at + c.ravel()  # a token chooses an expert at most once
+    counted = c if last is None or len(last) == 0 else c[: int(last[0]) + 1]
+    entries = at + counted.ravel()  # a token chooses an expert at most once
     np.add.at(lookups, entries, 1)
     np.add.at(hits, entries[res[entries] >= 0], 1)
 
@@ -101,26 +104,35 @@ PRELOAD = 4  # parts of its router row a lane loads before the norm (all of them
 
 
 @cuda.jit(device=True)
-def write_choice(t, e, rank, prob, kept, slot, chosen, weights, slot_of, at, lookups, hits):
+def write_choice(t, e, rank, prob, kept, slot, chosen, weights, slot_of, at, lookups, hits, counted):
     """Expert e, token t's choice `rank`, written for the expert kernels with its weight
-    renormalized over the K picks (their probabilities' sum: kept), and counted for the
-    cache: a lookup, and a hit where the expert is in a slot (`slot` >= 0)."""
+    renormalized over the K picks (their probabilities' sum: kept), and, where row t is a
+    token (`counted`, not padding), counted for the cache: a lookup, and a hit where the
+    expert is in a slot (`slot` >= 0)."""
     chosen[t, rank] = e
     weights[t, rank] = prob / kept
     slot_of[t, rank] = slot
-    cuda.atomic.add(lookups, at + e, int32(1))
-    if slot >= 0:
-        cuda.atomic.add(hits, at + e, int32(1))
+    if counted:
+        cuda.atomic.add(lookups, at + e, int32(1))
+        if slot >= 0:
+            cuda.atomic.add(hits, at + e, int32(1))
 
 
 @cuda.jit(device=True)
-def record_choice(t, r, slot, picked, picked_p, chosen, weights, slot_of, at, lookups, hits):
+def is_counted(t, last):
+    """Whether row t is a token the cache counts: last is (1,) int32, the last such row
+    (a padded prompt chunk's), or size 0 (every row)."""
+    return last.shape[0] == 0 or t <= last[0]
+
+
+@cuda.jit(device=True)
+def record_choice(t, r, slot, picked, picked_p, chosen, weights, slot_of, at, lookups, hits, counted):
     """Token t's choice r (of K), from the picks in rank order: write_choice with the K
     probabilities' sum added in rank order."""
     kept = float32(0.0)
     for i in range(chosen.shape[1]):
         kept += picked_p[i]
-    write_choice(t, picked[r], r, picked_p[r], kept, slot, chosen, weights, slot_of, at, lookups, hits)
+    write_choice(t, picked[r], r, picked_p[r], kept, slot, chosen, weights, slot_of, at, lookups, hits, counted)
 
 
 def make_route_kernel1(part, nibbles):
@@ -134,7 +146,8 @@ def make_route_kernel1(part, nibbles):
                      weights,        # (T, K) float32, written
                      slot_of,        # (T, K) int32, written
                      res, at,        # (L * E,) int32, int32
-                     lookups, hits):  # (L * E,) int32, counted
+                     lookups, hits,  # (L * E,) int32, counted
+                     last):          # (1,) int32: the last row counted, or size 0: all
         t, tid = cuda.blockIdx.x, cuda.threadIdx.x
         lane, warp, n_warps = tid % WARP, tid // WARP, cuda.blockDim.x // WARP
         d, n_expert, k = x.shape[1], ra.shape[0], chosen.shape[1]
@@ -209,7 +222,8 @@ def make_route_kernel1(part, nibbles):
         # 5. The writes and the cache's counting, one thread per chosen expert: in parallel,
         # because each is a round trip to global memory.
         if tid < k:
-            record_choice(t, tid, res[at + picked[tid]], picked, picked_p, chosen, weights, slot_of, at, lookups, hits)
+            record_choice(t, tid, res[at + picked[tid]], picked, picked_p, chosen, weights, slot_of, at, lookups, hits,
+                          is_counted(t, last))
 
     return route_kernel1
 
@@ -258,7 +272,8 @@ def make_route_kernel(part, nibbles):
         return rank
 
     @cuda.jit(cache=True)
-    def route_kernel(x, norm, eps, ra, rb, x_norm, chosen, weights, slot_of, res, at, lookups, hits):  # as route_kernel1's
+    def route_kernel(x, norm, eps, ra, rb, x_norm, chosen, weights, slot_of, res, at, lookups, hits,
+                     last):  # as route_kernel1's
         wait_for_inputs()
         let_next_start()  # a dependent launch: gpu/dependent_launch.py
         t, tid = cuda.blockIdx.x, cuda.threadIdx.x
@@ -270,6 +285,7 @@ def make_route_kernel(part, nibbles):
         e0, e1 = lane, lane + WARP
         slot0 = res[at + e0] if warp == 0 and e0 < n_expert else -1
         slot1 = res[at + e1] if warp == 0 and e1 < n_expert else -1
+        counted = is_counted(t, last)  # a token, not a padded prompt chunk's repeat of its last
         # 1. One logit per expert, warp w taking experts w, w + n_warps, ... The norm is applied
         # last, as matvec's normed kernels apply it: rmsnorm(x) . router = (1 / rms) ((x * norm)
         # . router), and each warp sums the squares of x from the values it loads for its
@@ -343,9 +359,9 @@ def make_route_kernel(part, nibbles):
         # strided share of the row each, from values still in L1)
         if warp == 0:
             if rank0 < k:
-                write_choice(t, e0, rank0, prob0, kept, slot0, chosen, weights, slot_of, at, lookups, hits)
+                write_choice(t, e0, rank0, prob0, kept, slot0, chosen, weights, slot_of, at, lookups, hits, counted)
             if rank1 < k:
-                write_choice(t, e1, rank1, prob1, kept, slot1, chosen, weights, slot_of, at, lookups, hits)
+                write_choice(t, e1, rank1, prob1, kept, slot1, chosen, weights, slot_of, at, lookups, hits, counted)
         else:
             j = tid - WARP
             while j < d:
@@ -359,10 +375,11 @@ ROUTE_KERNELS = {qtype: make_route_kernel(part, nibbles) for qtype, (part, _, _,
 # --8<-- [end:route_kernel]
 
 
-def route(x, norm, eps, raw, qtype, x_norm, chosen, weights, slot_of, res, at, lookups, hits, plain: bool = False):
+def route(x, norm, eps, raw, qtype, x_norm, chosen, weights, slot_of, res, at, lookups, hits, plain: bool = False,
+          last=None):
     """Like route_ref, on the device, with the router as its GGUF rows: raw (E, bytes)
     uint8 of type qtype. NumPy arguments are moved (outputs written back). plain: run
-    route_kernel1."""
+    route_kernel1. last: as route_ref's, (1,) int32 in device memory or NumPy."""
     expect("x", x, np.float32, (None, None))
     n, d = x.shape
     assert d <= MAX_DIM, f"D = {d}; the router kernel holds a row of at most {MAX_DIM}"
@@ -384,4 +401,5 @@ def route(x, norm, eps, raw, qtype, x_norm, chosen, weights, slot_of, res, at, l
         ra, rb = weight_views(dev.read(raw), qtype)
         (ROUTE_KERNELS1 if plain else ROUTE_KERNELS)[qtype][n, ROUTE_THREADS, stream()](
             dev.read(x), dev.read(norm), np.float32(eps), ra, rb, dev.write(x_norm), dev.write(chosen),
-            dev.write(weights), dev.write(slot_of), dev.read(res), np.int32(at), dev.write(lookups), dev.write(hits))
+            dev.write(weights), dev.write(slot_of), dev.read(res), np.int32(at), dev.write(lookups), dev.write(hits),
+            absent((0,), np.int32) if last is None else dev.read(last))
