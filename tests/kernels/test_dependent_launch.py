@@ -36,12 +36,13 @@ from strata_nb.kernels.step.block_scores import BLOCK_SCORES_KERNELS
 from strata_nb.kernels.step.map_ring import map_ring_kernel
 from strata_nb.kernels.step.select_blocks import select_blocks_kernel
 
-# A decode step's kernels, all of which wait for their inputs (a verify window runs the same)
+# A decode step's kernels that wait for their inputs (a verify window runs the same), and
+# the one it launches plain
 STEP_S_KERNELS = [*MATVEC_KERNELS.values(), *STEP_KERNELS.values(), *EXPERT_DOWN_KERNELS.values(),
                   *EXPERT_GATE_UP_KERNELS.values(), *ROUTE_KERNELS.values(),
                   *BLOCK_SCORES_KERNELS.values(), key_sketch_kernel, kv_append_k8v4_kernel, argmax_kernel,
-                  map_ring_kernel, select_blocks_kernel, *EMBED_KERNELS.values(), embed_rows_kernel,
-                  advance_step_kernel]
+                  map_ring_kernel, *EMBED_KERNELS.values(), embed_rows_kernel, advance_step_kernel]
+PLAIN_KERNELS = [select_blocks_kernel]
 
 GOOD = """
 .visible .entry k(.param .u64 k_param_0)
@@ -99,6 +100,15 @@ _CHILD = textwrap.dedent('''
         for cc in ((8, 0), (9, 0)):
             ptx, _ = cuda.compile_ptx(fn, sig, cc=cc)
             out[f"{name} sm_{cc[0]}{cc[1]}"] = [ptx.count("griddepcontrol."), dependent_order(ptx)]
+    # the plain kernel in the chain never lets the next one start early (no device here:
+    # answer for the target, as sm90.py's compiler does)
+    import types
+    import numba.cuda.dispatcher
+    numba.cuda.dispatcher.get_current_device = lambda: types.SimpleNamespace(compute_capability=(9, 0))
+    from strata_nb.kernels.step.select_blocks import select_blocks_kernel
+    ptx, _ = cuda.compile_ptx(select_blocks_kernel.py_func, "void(float32[:, ::1], int32[::1], int32[::1], int32, "
+                              "int32, int32[::1], int32[:, ::1], int64[::1], int32[::1])", cc=(9, 0))
+    out["select_blocks sm_90"] = ptx.count("griddepcontrol.")
     print(json.dumps(out))
 ''')
 
@@ -112,13 +122,15 @@ def test_the_wait_is_an_instruction_on_hopper_only():
     assert got["waits_first sm_80"] == [0, "its PTX has no griddepcontrol.wait"]
     count, problem = got["reads_early sm_90"]
     assert count == 2 and problem.startswith("it touches memory before it waits: ld.global"), problem
+    assert got["select_blocks sm_90"] == 0  # launched plain: it neither waits nor lets the next start
 
 
 def test_the_step_s_kernels_are_marked_and_launch_plain_when_turned_off():
-    """The step's kernels are marked; none is dependent while turned off, and under
-    the simulator the backend says it cannot be on."""
+    """The step's kernels are marked but select_blocks; none is dependent while turned
+    off, and under the simulator the backend says it cannot be on."""
     kernels = STEP_S_KERNELS
     assert all(getattr(k, "_strata_waits", False) for k in kernels)
+    assert not any(is_dependent(k) for k in PLAIN_KERNELS)  # select_blocks: gpu/dependent_launch.py
     with dependent_launches(False):
         assert not enabled() and not any(is_dependent(k) for k in kernels)
         assert CudaBackend().dependent_launches() == "off"

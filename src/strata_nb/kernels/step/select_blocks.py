@@ -36,7 +36,6 @@ import math
 import numpy as np
 from numba import cuda, float32, int32
 
-from strata_nb.gpu.dependent_launch import let_next_start, wait_for_inputs, waits_for_inputs
 from strata_nb.gpu.launch import DeviceArgs, expect, last_to_arrive, stream, ticket_counters
 from strata_nb.gpu.geometry import SELECT_CANDIDATES, SELECT_PARTS, SELECT_SHARED_SCORES
 from strata_nb.kv_layout import BLOCK, all_blocks_upto
@@ -128,12 +127,12 @@ def outranks(other, c, mine, b):
     return other > mine or (other == mine and c < b)
 
 
-@waits_for_inputs
 @cuda.jit(cache=True)
 def select_blocks_kernel(scores, q_pos, page_table, window_blocks, budget_cells, chosen, out, counts,  # as select_blocks_ref
                          arrivals):  # (1,) int32 ticket counter: 0 before the launch, 0 after it
-    wait_for_inputs()
-    let_next_start()  # a dependent launch: gpu/dependent_launch.py
+    # A plain launch, not a dependent one (gpu/dependent_launch.py, "a plain kernel in the
+    # chain"): this kernel starts when block_scores has ended, and the step attention after
+    # it when it has ended.
     t = cuda.threadIdx.x
     n_blocks = chosen.shape[0]
     last = q_pos[0] // BLOCK
