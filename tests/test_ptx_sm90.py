@@ -179,6 +179,19 @@ def test_the_step_attention_lets_the_next_kernel_start_late(compiled):
 
 
 @pytest.mark.last
+def test_the_kernels_that_end_in_one_block_let_nothing_start_early(compiled):
+    """The router (one thread block a token) waits for the o matvec but lets the experts'
+    kernel launch only at its end; select_blocks, whose last thread block writes the list,
+    is launched plain (gpu/dependent_launch.py): neither has launch_dependents in its PTX."""
+    failures, rows = compiled
+    found = {name: [r for r in rows if r["kernel"] == name] for name in ("route_kernel", "select_blocks_kernel")}
+    if not any(found.values()):
+        pytest.skip("neither ran in this session")
+    assert all(r["waits"] and not r["lets_next"] for r in found["route_kernel"]), found["route_kernel"]
+    assert all(not r["waits"] and not r["lets_next"] for r in found["select_blocks_kernel"])
+
+
+@pytest.mark.last
 def test_each_step_attention_build_fits_its_blocks_an_sm(compiled):
     """The step attention's two builds (attention_step.py): the one for three thread blocks
     an SM keeps to registers that three blocks of 256 threads can have (the compiler does it

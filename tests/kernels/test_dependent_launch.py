@@ -100,15 +100,6 @@ _CHILD = textwrap.dedent('''
         for cc in ((8, 0), (9, 0)):
             ptx, _ = cuda.compile_ptx(fn, sig, cc=cc)
             out[f"{name} sm_{cc[0]}{cc[1]}"] = [ptx.count("griddepcontrol."), dependent_order(ptx)]
-    # the plain kernel in the chain never lets the next one start early (no device here:
-    # answer for the target, as sm90.py's compiler does)
-    import types
-    import numba.cuda.dispatcher
-    numba.cuda.dispatcher.get_current_device = lambda: types.SimpleNamespace(compute_capability=(9, 0))
-    from strata_nb.kernels.step.select_blocks import select_blocks_kernel
-    ptx, _ = cuda.compile_ptx(select_blocks_kernel.py_func, "void(float32[:, ::1], int32[::1], int32[::1], int32, "
-                              "int32, int32[::1], int32[:, ::1], int64[::1], int32[::1])", cc=(9, 0))
-    out["select_blocks sm_90"] = ptx.count("griddepcontrol.")
     print(json.dumps(out))
 ''')
 
@@ -122,7 +113,6 @@ def test_the_wait_is_an_instruction_on_hopper_only():
     assert got["waits_first sm_80"] == [0, "its PTX has no griddepcontrol.wait"]
     count, problem = got["reads_early sm_90"]
     assert count == 2 and problem.startswith("it touches memory before it waits: ld.global"), problem
-    assert got["select_blocks sm_90"] == 0  # launched plain: it neither waits nor lets the next start
 
 
 def test_the_step_s_kernels_are_marked_and_launch_plain_when_turned_off():

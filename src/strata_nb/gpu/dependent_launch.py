@@ -27,6 +27,13 @@ at once. The step attention lets it start only when a split has written its reco
 its blocks fill the GPU, and a next kernel launched at their start would have its blocks
 placed among them, waiting, which measured slower.
 
+Two kernels end in one thread block's chain of work, and let nothing start early. The
+router (kernels/experts/route.py, one block a token) waits for its inputs but lets
+expert_gate_up launch only when it ends. select_blocks (kernels/step/select_blocks.py,
+whose last block writes the list) is not marked at all: it starts when block_scores has
+ended, and the step attention starts when it has. Either way, early, measured slower
+(docs/gpu/fast.md, "When the next kernel may start").
+
 Which launches are dependent: a kernel marked with `waits_for_inputs(kernel)` (its
 factory marks it; its code keeps the rule), launched through the fast path
 (gpu/fast_launch.py) while `enabled()`, on a device of compute capability 9.0 or more. A

@@ -291,7 +291,9 @@ _CHILD = textwrap.dedent('''
                 failures.append(f"{module}.{qualname}{sig}: marked waits_for_inputs, but {dependent_order(ptx)}")
             if binary:
                 rows.append(dict(kernel=qualname.split(".")[-1], module=module, made_from=made_from, sig=sig,
-                                 late_start=lets_next_start_late(ptx), **ptx_usage(ptx, binary, disassembler)))
+                                 late_start=lets_next_start_late(ptx), waits="griddepcontrol.wait" in ptx,
+                                 lets_next="griddepcontrol.launch_dependents" in ptx,
+                                 **ptx_usage(ptx, binary, disassembler)))
     print(json.dumps([failures, rows]))
 ''')
 

@@ -48,7 +48,7 @@ import math
 import numpy as np
 from numba import cuda, float32, int32
 
-from strata_nb.gpu.dependent_launch import let_next_start, wait_for_inputs, waits_for_inputs
+from strata_nb.gpu.dependent_launch import wait_for_inputs, waits_for_inputs
 from strata_nb.gpu.geometry import ROUTE_THREADS
 from strata_nb.gpu.launch import DeviceArgs, absent, expect, stream
 from strata_nb.gpu.reduce import NEG_INF, WARP, block_sum, warp_max, warp_sum
@@ -274,8 +274,9 @@ def make_route_kernel(part, nibbles):
     @cuda.jit(cache=True)
     def route_kernel(x, norm, eps, ra, rb, x_norm, chosen, weights, slot_of, res, at, lookups, hits,
                      last):  # as route_kernel1's
-        wait_for_inputs()
-        let_next_start()  # a dependent launch: gpu/dependent_launch.py
+        wait_for_inputs()  # a dependent launch (gpu/dependent_launch.py), which lets the
+        # next kernel launch only when it ends: expert_gate_up's blocks, placed early, would
+        # wait beside this one block for all of its chain (measured slower)
         t, tid = cuda.blockIdx.x, cuda.threadIdx.x
         lane, warp, n_warps = tid % WARP, tid // WARP, cuda.blockDim.x // WARP
         d, n_expert, k = x.shape[1], ra.shape[0], chosen.shape[1]
