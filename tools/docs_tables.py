@@ -16,7 +16,9 @@ figure is typed by hand (tests/test_docs.py checks both are up to date):
   (`strata-nb needle` on the H200, with the key sketch and with Quest's bound, the scores
   before it), from the needle.json files beside them, and on a plain run their heat-maps,
   docs/assets/needle.png and needle_quest_bound.png; and needle/speed.md, decode tok/s
-  with each score, from the two `strata-nb bench` runs beside them (bench_*.json).
+  with each score, from the two `strata-nb bench` runs beside them (bench_*.json), and
+  needle/speed_h100.md, the code before the sketch against a later engine's, from
+  bench_*_h100.json.
 
     python tools/docs_tables.py           # rewrite them
     python tools/docs_tables.py --check   # exit 1 if any table is out of date (the plot is not checked)
@@ -249,13 +251,16 @@ def needle_page(result: dict, scores: str) -> str:
             f"the fact's answer.\n\n{table(result)}\n")
 
 
-def needle_speed(before: dict, after: dict) -> str:
-    """Decode tok/s per (mode, depth) with Quest's bound and with the key sketch."""
+def needle_speed(before: dict, after: dict, code: str = "with it", sketch: str = "key sketch") -> str:
+    """Decode tok/s per (mode, depth) with Quest's bound and with the key sketch: `code`
+    says which code the second run is (the sketch's commit, or a later one)."""
     rate = lambda bench: {(r["mode"], r["depth"]): r["decode_tok_s"] for r in bench["rows"]}  # noqa: E731
     old, new = rate(before), rate(after)
-    lines = [f"Measured with `{after['command'].split(' --out')[0]}` on an {after['device']}, at the code before the "
-             f"key sketch (85b06f6) and with it; medians of {after['runs']} runs.\n",
-             "| k8v4 | depth | decode tok/s, Quest's bound | decode tok/s, key sketch | key sketch / bound |",
+    weights = " (random weights of the default model's shapes)" if after.get("model") == "synthetic" else ""
+    lines = [f"Measured with `{after['command'].split(' --out')[0]}`{weights} on an {after['device']}, at the code "
+             f"before the key sketch (85b06f6) and {code}; medians of "
+             f"{after['runs']} runs.\n",
+             f"| k8v4 | depth | decode tok/s, Quest's bound | decode tok/s, {sketch} | {sketch} / bound |",
              "| --- | ---: | ---: | ---: | ---: |"]
     for mode, depth in sorted(new, key=lambda k: (k[1], k[0])):
         a, b = old[mode, depth], new[mode, depth]
@@ -276,6 +281,9 @@ def outputs() -> dict[Path, str]:
     out[EXPERTS_MD] = experts_table(expert_benches())
     out[NEEDLE_DIR / "speed.md"] = needle_speed(*(json.loads((NEEDLE_DIR / f"bench_{n}.json").read_text())
                                                   for n in ("quest_bound", "key_sketch")))
+    out[NEEDLE_DIR / "speed_h100.md"] = needle_speed(
+        *(json.loads((NEEDLE_DIR / f"bench_{n}_h100.json").read_text()) for n in ("quest_bound", "key_sketch")),
+        code="at 9037cd0 (the engine of 2026-12-06), one after the other on one machine", sketch="9037cd0")
     for name, scores in NEEDLE_RUNS.items():
         out[NEEDLE_DIR / f"{name}.md"] = needle_page(json.loads((NEEDLE_DIR / f"{name}.json").read_text()), scores)
     return out
