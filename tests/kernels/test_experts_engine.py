@@ -130,6 +130,26 @@ def test_a_padded_prompt_chunk_counts_only_its_tokens(copies, monkeypatch):
     assert counts["cuda"].hits == counts["cpu"].hits
 
 
+def test_a_padded_verify_window_counts_only_its_tokens(copies):
+    """A verify window (engine/verify_window.py) of 4 rows run with 2 tokens is padded with
+    its last: the expert cache counts the 2 tokens' choices, as the host path's pass over
+    the 2 does."""
+    from strata_nb.engine.verify_window import VerifyWindow
+
+    counts = {}
+    for path in ("window", "host"):
+        eng = Engine.load(model=copies, device="cuda", max_context=64, expert_cache=2)
+        eng.prefill(PROMPT)
+        before = eng.weights.experts.stats().lookups
+        if path == "window":
+            VerifyWindow(eng.be, eng.weights, eng.kv, 4, use_graph=False).run([5, 9], len(PROMPT))
+        else:
+            eng.verify([5, 9], len(PROMPT))
+        eng.kv.keep(2)
+        counts[path] = eng.weights.experts.stats().lookups - before
+    assert counts["window"] == counts["host"] == 2 * 2  # 2 tokens, K = 2, one layer
+
+
 def test_rows_alone_an_moe_prompt_resumed_mid_chunk_writes_the_same_cells(dense, monkeypatch):
     """Rows alone (engine/prompt_chunk.py, on): a prompt of 11 tokens in chunks
     of 16, and the same prompt resumed at 9 (a chunk of 2 rows), through a random router

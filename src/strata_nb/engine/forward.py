@@ -20,9 +20,10 @@ def forward(be, w: ModelWeights, kv, ids, positions, prompt: bool, all_logits: b
 
     prompt: a prompt chunk (attends every earlier cell) rather than a decode step or
     verify window (attends the blocks its queries select). last: (1,) int32 in device
-    memory, the row whose logits to make (a padded prompt chunk's last real row,
-    engine/prompt_chunk.py), instead of row n - 1; the rows after it are padding, which
-    the expert cache does not count as tokens."""
+    memory, the last real row: the rows after it are padding, which the expert cache does
+    not count as tokens (a padded prompt chunk, engine/prompt_chunk.py, or verify window,
+    engine/verify_window.py); without all_logits, the row whose logits to make, instead
+    of row n - 1."""
     cfg = w.config
     n, eps = len(ids), cfg.rms_eps
     pos = be.asarray(positions)
@@ -43,9 +44,11 @@ def forward(be, w: ModelWeights, kv, ids, positions, prompt: bool, all_logits: b
                 be.gated_matmul_add_(x, gate_up, L.wdown, ahead=after)  # x += swiglu(gate_up) Wdown
             else:  # experts: each token's K of E SwiGLU FFNs, weighted by the router, from the expert cache
                 be.moe_ffn_add_(x, L.ffn_norm, eps, L.router, w.experts, layer, ahead=after, last=last)
-    if last is not None:
+    if all_logits:
+        pass
+    elif last is not None:
         x = be.embed(x, last)  # row last[0], gathered on the device
-    elif not all_logits:
+    else:
         x = x[n - 1:]
     return be.normed_matmul(x, w.output_norm, eps, w.output, ahead=w.layers[0].wqkv)  # the next step's first
 # --8<-- [end:forward]

@@ -7,12 +7,14 @@ from pass to pass in device memory that the kernels read:
 
     tokens     (T,) int32  the window: the token at pos, then the drafts
     positions  (T,) int32  pos, pos + 1, ..., pos + T - 1
+    last       (1,) int32  the window's last real row: the rows after it are padding
     picks      (T,) int32  mapped host memory: each position's greedy pick (its argmax)
 
 so every window's launches are the same, captured once into a CUDA graph
 (backend/cuda_graph.py) and replayed. A pass always has T = --spec rows: a window with
 fewer drafts is padded with its last token, and the padded positions are computed and
-written like rejected drafts' cells, to be written over by the next pass.
+written like rejected drafts' cells, to be written over by the next pass. The expert
+cache counts the real rows only (`last`), as a decode step would count them.
 
 What a window reads is decided on the device, per query, as a decode step decides it
 (kv/step_blocks.py): every block of a resident cache, or each query's own selection
@@ -42,6 +44,7 @@ class VerifyWindow:
         self.be, self.weights, self.kv, self.width = be, weights, kv, width
         self.tokens = be.asarray(np.zeros(width, np.int32))
         self.positions = be.asarray(np.zeros(width, np.int32))
+        self.last = be.asarray(np.zeros(1, np.int32))
         self.picks = be.host_array((width,), np.int32)  # mapped: the pass writes its picks here
         self.use_graph = use_graph and gpu_present()
         self.graph = None  # captured on the second pass: the first compiles every kernel
@@ -58,7 +61,8 @@ class VerifyWindow:
 
     def launch(self):
         """The pass's launches: the forward pass over T rows, each row's argmax."""
-        logits = forward(self.be, self.weights, self.kv, self.tokens, self.positions, prompt=False, all_logits=True)
+        logits = forward(self.be, self.weights, self.kv, self.tokens, self.positions, prompt=False, all_logits=True,
+                         last=self.last)
         self.be.op(argmax_ref, argmax)(logits, self.picks)
 
     def run(self, window: list[int], pos: int) -> np.ndarray:
@@ -70,6 +74,7 @@ class VerifyWindow:
         padded = np.array(window + [window[-1]] * (self.width - len(window)), np.int32)
         self.be.copy_into(self.tokens, padded)
         self.be.copy_into(self.positions, np.arange(pos, pos + self.width, dtype=np.int32))
+        self.be.copy_into(self.last, np.array([len(window) - 1], np.int32))
         if pos != self.next_pos:  # the last device pass was not this window's predecessor
             self.kv.before_device_steps(pos)
         if self.weights.experts is not None:
