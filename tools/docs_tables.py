@@ -258,8 +258,7 @@ def needle_speed(before: dict, after: dict, code: str = "with it", sketch: str =
     old, new = rate(before), rate(after)
     weights = " (random weights of the default model's shapes)" if after.get("model") == "synthetic" else ""
     lines = [f"Measured with `{after['command'].split(' --out')[0]}`{weights} on an {after['device']}, at the code "
-             f"before the key sketch (85b06f6) and {code}; medians of "
-             f"{after['runs']} runs.\n",
+             f"before the key sketch (85b06f6) and {code}; medians of {after['runs']} runs.\n",
              f"| k8v4 | depth | decode tok/s, Quest's bound | decode tok/s, {sketch} | {sketch} / bound |",
              "| --- | ---: | ---: | ---: | ---: |"]
     for mode, depth in sorted(new, key=lambda k: (k[1], k[0])):

@@ -44,11 +44,7 @@ def forward(be, w: ModelWeights, kv, ids, positions, prompt: bool, all_logits: b
                 be.gated_matmul_add_(x, gate_up, L.wdown, ahead=after)  # x += swiglu(gate_up) Wdown
             else:  # experts: each token's K of E SwiGLU FFNs, weighted by the router, from the expert cache
                 be.moe_ffn_add_(x, L.ffn_norm, eps, L.router, w.experts, layer, ahead=after, last=last)
-    if all_logits:
-        pass
-    elif last is not None:
-        x = be.embed(x, last)  # row last[0], gathered on the device
-    else:
-        x = x[n - 1:]
+    if not all_logits:  # one row's logits: row last[0], gathered on the device, or the last row
+        x = x[n - 1:] if last is None else be.embed(x, last)
     return be.normed_matmul(x, w.output_norm, eps, w.output, ahead=w.layers[0].wqkv)  # the next step's first
 # --8<-- [end:forward]

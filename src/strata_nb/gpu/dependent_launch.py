@@ -32,7 +32,7 @@ router (kernels/experts/route.py, one block a token) waits for its inputs but le
 expert_gate_up launch only when it ends. select_blocks (kernels/step/select_blocks.py,
 whose last block writes the list) is not marked at all: it starts when block_scores has
 ended, and the step attention starts when it has. Either way, early, measured slower
-(docs/gpu/fast.md, "When the next kernel may start").
+(docs/gpu/fast.md, "Kernels that end in one thread block").
 
 Which launches are dependent: a kernel marked with `waits_for_inputs(kernel)` (its
 factory marks it; its code keeps the rule), launched through the fast path
