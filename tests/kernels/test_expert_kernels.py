@@ -19,6 +19,9 @@ from strata_nb.kernels.dense.matvec_fused import read_ahead_ref
 from strata_nb.kernels.dense.rmsnorm import rmsnorm_tolerance
 from strata_nb.kernels.experts.route import route, route_ref, weights_tolerance
 from strata_nb.model.dequant import dequantize
+from strata_nb.gpu.launch import DeviceArgs
+from strata_nb.kernels.experts.expert_rows import stage_words
+from strata_nb.kernels.experts import expert_down as down_module, expert_gate_up as gate_up_module
 
 E, K, T = (8, 2, 2) if ON_GPU else (5, 2, 2)
 D, F = (576, 192) if ON_GPU else (64, 32)
@@ -206,19 +209,27 @@ def test_gate_up_reads_the_chosen_experts_down_matrices_ahead():
     assert np.bitwise_xor.reduce(ahead_out) == want
 
 
-def test_an_expert_reads_the_same_bits_from_its_slot_as_from_the_host_copy():
-    """All on the host, then experts 0 and 3 in slots: the kernel's output is the same
-    bits (the cache cannot change what a token computes)."""
-    host_gu, host_down, slots_gu, slots_down, res, chosen, weights, x_norm = experts_case("Q4_1", 2)
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+def test_an_expert_reads_the_same_bits_from_its_slot_as_from_the_host_copy(qtype):
+    """All on the host (each miss staged through shared memory, and read in place), then
+    experts 0 and 3 in slots: the kernels' outputs are the same bits (the cache cannot
+    change what a token computes, nor how a miss is read)."""
+    host_gu, host_down, slots_gu, slots_down, res, chosen, weights, x_norm = experts_case(qtype, 2)
     outs = []
-    for table_now in (np.full_like(res, -1), res):
+    for table_now, stage in ((np.full_like(res, -1), True), (np.full_like(res, -1), False), (res, True)):
         h = np.zeros((T, K, F), np.float32)
-        expert_gate_up(x_norm, chosen, table_now[AT + chosen], AT, slots_gu, host_gu, "Q4_1", h)
+        expert_gate_up(x_norm, chosen, table_now[AT + chosen], AT, slots_gu, host_gu, qtype, h, stage=stage)
         x = np.ones((T, D), np.float32)
-        expert_down(h, chosen, weights, table_now[AT + chosen], AT, slots_down, host_down, "Q4_1", x)
+        expert_down(h, chosen, weights, table_now[AT + chosen], AT, slots_down, host_down, qtype, x, stage=stage)
         outs.append((h, x))
-    np.testing.assert_array_equal(outs[0][0], outs[1][0])
-    np.testing.assert_array_equal(outs[0][1], outs[1][1])
+    for other in outs[1:]:
+        np.testing.assert_array_equal(outs[0][0], other[0])
+        np.testing.assert_array_equal(outs[0][1], other[1])
+    with DeviceArgs() as dev:  # the first run staged: its rows are whole words and fit
+        assert stage_words(dev, host_gu, gate_up_module.STAGE_ROW_WORDS)[1] > 0
+        assert stage_words(dev, host_down, down_module.STAGE_ROW_WORDS)[1] > 0 or host_down.shape[2] % 4
+    if qtype != "Q4_1":
+        return
     # and a slot that holds the wrong expert's bytes shows: the negative control
     slots_gu[0] = host_gu[AT + 1]
     h = np.zeros((T, K, F), np.float32)

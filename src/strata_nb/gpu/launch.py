@@ -195,6 +195,15 @@ def host_or_absent(name: str, a, spec: PoolArray, n_kv: int):
 _ABSENT: dict = {}
 
 
+def inline_device(fn):
+    """@cuda.jit(device=True), inlined into each caller by NVVM (`forceinline`): a loop
+    a kernel runs in two places, over different memories, compiles in each as if written
+    there. The simulator runs Python and has no such option."""
+    if config.ENABLE_CUDASIM:
+        return cuda.jit(device=True)(fn)
+    return cuda.jit(device=True, forceinline=True)(fn)
+
+
 def absent(shape, dtype):
     """A size-0 device array, made once per shape and dtype (no copy at launch)."""
     key = (shape, np.dtype(dtype))

@@ -36,12 +36,12 @@ from numba import cuda, float32, int32, uint32
 
 from strata_nb.gpu.dependent_launch import let_next_start, wait_for_inputs, waits_for_inputs
 from strata_nb.gpu.geometry import EXPERT_DOWN_WARPS, EXPERT_WARPS
-from strata_nb.gpu.launch import DeviceArgs, expect, stream
+from strata_nb.gpu.launch import DeviceArgs, expect, inline_device, stream
 from strata_nb.gpu.reduce import WARP, warp_sum
 from strata_nb.kernels.dense.gguf_rows import PART, PARTS, QK, QTYPES, part_runs
 from strata_nb.kernels.dense.matvec import ahead_arrays, dot_tolerance, product_ref
 from strata_nb.kernels.dense.matvec_fused import AHEAD, ROWS, SECTOR, SUM_WARPS
-from strata_nb.kernels.experts.expert_rows import MAX_USED, expert_views, make_expert_part
+from strata_nb.kernels.experts.expert_rows import MAX_USED, expert_views, make_expert_part, stage_rows, stage_words
 
 
 # --8<-- [start:expert_down_ref]
@@ -139,16 +139,61 @@ def make_expert_down_kernel1(part, nibbles):
 # --8<-- [end:expert_down_kernel1]
 
 
+STAGE_ROW_WORDS = 256  # words of a staged down row (1 KiB: F up to 1,638 in Q4_1); longer: read in place
+
+
 # --8<-- [start:expert_down_kernel]
-def make_expert_down_kernel(part, nibbles, rows):
+def make_expert_down_kernel(part, nibbles, view_a, view_b, rows):
     """The fast kernel: `rows` outputs a thread block, their K F terms split between its
     threads (thread i: terms i, i + threads, ... of every row)."""
     expert_part = make_expert_part(part)
 
+    @inline_device
+    def down_sums(a1, b1, a2, b2, staged, slot, index, scale, h, t, o0, d, k, f, acc):
+        """This thread's terms of the block's `rows` outputs, added to acc: rows o0 .. of
+        each chosen expert r, read through expert_part from (a1, b1)[slot[r]], or (a2,
+        b2)[index[r]] on a miss; staged: from the staged rows, (a1, b1)[r, j] for row o0 + j."""
+        i, n_threads = cuda.threadIdx.x, cuda.blockDim.x
+        w = cuda.local.array((rows, PART), float32)  # one part of each of the block's rows
+        xs = cuda.local.array(PART, float32)  # the weighted h values that part multiplies
+        parts = f // PART  # parts of one expert's row
+        # Term q of the K rows side by side is part q % parts of expert r = q // parts. The
+        # thread's first q is divided once; later ones step r and the part without a
+        # division (a 64-bit one by a runtime value is a long routine on a GPU).
+        r = i // parts
+        qe = i - r * parts
+        while r < k:
+            # A term's loads, h's values and every row's weights, with no branch between them
+            # (a load after a branch waits for the work before it): a row past the last
+            # output reads the last again, and its sums are never stored
+            blk, p = qe // PARTS, qe % PARTS
+            lo, hi = part_runs(nibbles, p)
+            lo, hi = blk * QK + lo, blk * QK + hi
+            s_r, i_r, c_r = (r if staged else slot[r]), (r if staged else index[r]), scale[r]
+            for v in range(4):  # 8 values of the expert's h row, each used for `rows` weights
+                xs[v] = h[t, r, lo + v]
+                xs[4 + v] = h[t, r, hi + v]
+            for j in range(rows):
+                row = min(j, d - 1 - o0) if staged else min(o0 + j, d - 1)
+                expert_part(a1, b1, a2, b2, s_r, i_r, row, blk, p, w[j])
+            for v in range(PART):  # weighted by the expert's share
+                xs[v] = c_r * xs[v]
+            for j in range(rows):
+                total = acc[j]
+                for v in range(PART):
+                    total += w[j, v] * xs[v]
+                acc[j] = total
+            qe += n_threads
+            while qe >= parts and r < k:
+                qe -= parts
+                r += 1
+
     @cuda.jit(cache=True)
     def expert_down_kernel(h, chosen, weights, slot_of, at, slot_a, slot_b, host_a, host_b, x,  # as the plain kernel's
                            ahead,      # (bytes,) uint8: the next matvec's W, flat, read into L2; size 0 = none
-                           ahead_out):  # (threads of the grid,) uint32: what each thread read ahead, or (0,)
+                           ahead_out,   # (threads of the grid,) uint32: what each thread read ahead, or (0,)
+                           slot_words, host_words,  # (N | L * E, D * row_words) uint32: the slot pool, the host copy
+                           row_words):  # int32: words a row; 0 = a miss is read in place
         wait_for_inputs()
         let_next_start()  # a dependent launch: gpu/dependent_launch.py
         i, n_threads = cuda.threadIdx.x, cuda.blockDim.x
@@ -173,42 +218,28 @@ def make_expert_down_kernel(part, nibbles, rows):
             slot[i] = slot_of[t, i]
             scale[i] = weights[t, i]
         cuda.syncthreads()
-        w = cuda.local.array((rows, PART), float32)  # one part of each of the block's rows
-        xs = cuda.local.array(PART, float32)  # the weighted h values that part multiplies
         acc = cuda.local.array(rows, float32)  # this thread's partial sums
         per_warp = cuda.shared.array((SUM_WARPS, rows), float32)  # each warp's sums
         for j in range(rows):
             acc[j] = float32(0.0)
-        parts = f // PART  # parts of one expert's row
-        # Term q of the K rows side by side is part q % parts of expert r = q // parts. The
-        # thread's first q is divided once; later ones step r and the part without a
-        # division (a 64-bit one by a runtime value is a long routine on a GPU).
-        r = i // parts
-        qe = i - r * parts
-        while r < k:
-            # A term's loads, h's values and every row's weights, with no branch between them
-            # (a load after a branch waits for the work before it): a row past the last
-            # output reads the last again, and its sums are never stored
-            blk, p = qe // PARTS, qe % PARTS
-            lo, hi = part_runs(nibbles, p)
-            lo, hi = blk * QK + lo, blk * QK + hi
-            s_r, i_r, c_r = slot[r], index[r], scale[r]
-            for v in range(4):  # 8 values of the expert's h row, each used for `rows` weights
-                xs[v] = h[t, r, lo + v]
-                xs[4 + v] = h[t, r, hi + v]
-            for j in range(rows):
-                expert_part(slot_a, slot_b, host_a, host_b, s_r, i_r, min(o0 + j, d - 1), blk, p, w[j])
-            for v in range(PART):  # weighted by the expert's share
-                xs[v] = c_r * xs[v]
-            for j in range(rows):
-                total = acc[j]
-                for v in range(PART):
-                    total += w[j, v] * xs[v]
-                acc[j] = total
-            qe += n_threads
-            while qe >= parts and r < k:
-                qe -= parts
-                r += 1
+        # If any chosen expert is a miss (the same for the whole block), the block stages its
+        # rows o0 .. of every chosen expert, from the slot or the host copy (expert_rows.py:
+        # stage_rows), and reads them all from shared memory: one loop, one kind of memory.
+        staged = False
+        if row_words > 0:
+            for v in range(k):
+                staged = staged or slot[v] < 0
+        stage = cuda.shared.array((MAX_USED, rows, STAGE_ROW_WORDS), uint32)  # (expert, row, words)
+        if staged:
+            for v in range(k):
+                words, entry = (slot_words, slot[v]) if slot[v] >= 0 else (host_words, index[v])
+                stage_rows(words, entry, o0, min(rows, d - o0), row_words, stage, v, 0)
+        cuda.syncthreads()
+        if staged:
+            sa, sb = stage.view(view_a), stage.view(view_b)
+            down_sums(sa, sb, sa, sb, True, slot, index, scale, h, t, o0, d, k, f, acc)
+        else:
+            down_sums(slot_a, slot_b, host_a, host_b, False, slot, index, scale, h, t, o0, d, k, f, acc)
         # The threads' sums: within each warp by shuffles, then the warps' in warp order
         for j in range(rows):
             total = warp_sum(acc[j])  # every warp calls it: a barrier under the simulator
@@ -230,19 +261,20 @@ def make_expert_down_kernel(part, nibbles, rows):
 
 
 EXPERT_DOWN_KERNELS1 = {qtype: make_expert_down_kernel1(part, nibbles) for qtype, (part, _, _, nibbles) in QTYPES.items()}
-EXPERT_DOWN_KERNELS = {qtype: make_expert_down_kernel(part, nibbles, ROWS)
-                       for qtype, (part, _, _, nibbles) in QTYPES.items()}
+EXPERT_DOWN_KERNELS = {qtype: make_expert_down_kernel(part, nibbles, view_a, view_b, ROWS)
+                       for qtype, (part, view_a, view_b, nibbles) in QTYPES.items()}
 # --8<-- [end:expert_down_kernel]
 
 
 def expert_down(h, chosen, weights, slot_of, at, slots, host, qtype, x, plain: bool = False, warps: int | None = None,
-                ahead=None, ahead_out=None):
+                ahead=None, ahead_out=None, stage: bool = True):
     """Like expert_down_ref, on the device, with the experts as their GGUF rows: slots
     (N, D, bytes) and host (L * E, D, bytes) uint8 of type qtype. NumPy arguments are
     moved (x is written back). plain: run expert_down_kernel1; warps: the fast kernel's
     per thread block (default: a term of each row per thread, at most EXPERT_DOWN_WARPS;
     tests set it under the simulator). ahead, ahead_out: the fast kernel reads ahead as
-    matvec does (its docstring)."""
+    matvec does (its docstring). stage: the fast kernel stages a miss's rows through
+    shared memory (False: reads them in place, as the tests compare)."""
     expect("x", x, np.float32, (None, None))
     n, d = x.shape
     expect("h", h, np.float32, (n, None, None))
@@ -268,4 +300,7 @@ def expert_down(h, chosen, weights, slot_of, at, slots, host, qtype, x, plain: b
             return
         grid = (-(-d // ROWS), n)
         ahead, ahead_out = ahead_arrays(dev, ahead, ahead_out, grid[0] * warps * WARP)
-        EXPERT_DOWN_KERNELS[qtype][grid, warps * WARP, stream()](*args, ahead, ahead_out)
+        slot_words, row_words = stage_words(dev, slots, STAGE_ROW_WORDS if stage and slots.shape[0] else 0)
+        host_words, row_words = stage_words(dev, host, STAGE_ROW_WORDS if stage else 0)
+        EXPERT_DOWN_KERNELS[qtype][grid, warps * WARP, stream()](*args, ahead, ahead_out, slot_words, host_words,
+                                                                  row_words)

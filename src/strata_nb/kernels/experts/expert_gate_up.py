@@ -28,13 +28,13 @@ from numba import cuda, float32, uint32
 
 from strata_nb.gpu.dependent_launch import let_next_start, wait_for_inputs, waits_for_inputs
 from strata_nb.gpu.geometry import EXPERT_WARPS
-from strata_nb.gpu.launch import DeviceArgs, absent, expect, stream, view_bytes
+from strata_nb.gpu.launch import DeviceArgs, absent, expect, inline_device, stream, view_bytes
 from strata_nb.gpu.reduce import WARP, warp_sum
 from strata_nb.kernels.dense.gguf_rows import PART, PARTS, QK, QTYPES, part_runs
 from strata_nb.kernels.dense.matvec import dot_tolerance, product_ref
 from strata_nb.kernels.dense.matvec_fused import AHEAD, MAX_ROWS, SECTOR
 from strata_nb.kernels.dense.swiglu import swiglu_ref
-from strata_nb.kernels.experts.expert_rows import expert_views, make_expert_part
+from strata_nb.kernels.experts.expert_rows import expert_views, make_expert_part, stage_rows, stage_words
 
 
 # --8<-- [start:expert_gate_up_ref]
@@ -74,8 +74,12 @@ def gate_up_tolerance(x_norm, chosen, gate_up_of):
 # --8<-- [end:expert_gate_up_ref]
 
 
+STAGE_ROW_WORDS = 512  # words of a staged gate|up row (2 KiB: D up to 3,276 in Q4_1); longer: read in place
+STAGE_ROWS = 2 * EXPERT_WARPS  # a block's gate rows, then its up rows
+
+
 # --8<-- [start:expert_gate_up_kernel]
-def make_expert_gate_up_kernel(part, nibbles):
+def make_expert_gate_up_kernel(part, nibbles, view_a, view_b):
     expert_part = make_expert_part(part)
 
     @cuda.jit(device=True)
@@ -94,6 +98,35 @@ def make_expert_gate_up_kernel(part, nibbles):
             acc += w[i] * xs[i] + w[4 + i] * xs[4 + i]
         return acc
 
+    @inline_device
+    def gate_up_dots(a1, b1, a2, b2, slot, index, row_g, row_u, x_norm, t, lane, n):
+        """A warp's gate and up dots with the token's normed row: rows row_g and row_u of
+        an expert, read through expert_part from (a1, b1)[slot], or (a2, b2)[index] if
+        slot < 0. The loads of the two rows' parts, and of x's values for them, are all out
+        before any is used (see the kernel)."""
+        g0 = cuda.local.array(PART, float32)
+        u0 = cuda.local.array(PART, float32)
+        g1 = cuda.local.array(PART, float32)
+        u1 = cuda.local.array(PART, float32)
+        x0 = cuda.local.array(PART, float32)
+        x1 = cuda.local.array(PART, float32)
+        gate, up = float32(0.0), float32(0.0)
+        for q0 in range(lane, n, 2 * WARP):
+            q1 = min(q0 + WARP, n - 1)
+            blk0, p0, blk1, p1 = q0 // PARTS, q0 % PARTS, q1 // PARTS, q1 % PARTS
+            x_part(x_norm, t, blk0, p0, x0)
+            x_part(x_norm, t, blk1, p1, x1)
+            expert_part(a1, b1, a2, b2, slot, index, row_g, blk0, p0, g0)
+            expert_part(a1, b1, a2, b2, slot, index, row_u, blk0, p0, u0)
+            expert_part(a1, b1, a2, b2, slot, index, row_g, blk1, p1, g1)
+            expert_part(a1, b1, a2, b2, slot, index, row_u, blk1, p1, u1)
+            gate += part_dot(g0, x0)
+            up += part_dot(u0, x0)
+            if q0 + WARP < n:
+                gate += part_dot(g1, x1)
+                up += part_dot(u1, x1)
+        return gate, up
+
     @cuda.jit(cache=True)
     def expert_gate_up_kernel(x_norm,           # (T, D) float32
                               chosen,           # (T, K) int32
@@ -103,7 +136,9 @@ def make_expert_gate_up_kernel(part, nibbles):
                               h,                # (T, K, F) float32, written
                               down_slots,       # (N, bytes) uint8: the slot pool's down matrices, flat
                               down_host,        # (L * E, bytes) uint8: the host copy's; (0, 0) = no read ahead
-                              ahead_out):       # (threads of the grid,) uint32: what each read ahead, or (0,)
+                              ahead_out,        # (threads of the grid,) uint32: what each read ahead, or (0,)
+                              host_words,       # (L * E, 2F * row_words) uint32: the host copy as words
+                              row_words):       # int32: words a row; 0 = a miss is read in place
         wait_for_inputs()
         let_next_start()  # a dependent launch: gpu/dependent_launch.py
         lane, warp = cuda.threadIdx.x % WARP, cuda.threadIdx.x // WARP
@@ -128,35 +163,31 @@ def make_expert_gate_up_kernel(part, nibbles):
                     early[u] = uint32(down_slots[slot, sector * SECTOR])
                 else:
                     early[u] = uint32(down_host[index, sector * SECTOR])
-        # Two parts of each row a round, four arrays: the gate and up rows' loads of both
-        # parts, and x's values for them, are in flight before any is used. A warp's time
-        # here is a chain of memory round trips; this makes it a quarter as long as one load
-        # at a time. No branch stands between the loads (a load after a branch waits for
-        # the work before it): a second part past the row's end reads the last part again,
-        # and is not added.
-        g0 = cuda.local.array(PART, float32)
-        u0 = cuda.local.array(PART, float32)
-        g1 = cuda.local.array(PART, float32)
-        u1 = cuda.local.array(PART, float32)
-        x0 = cuda.local.array(PART, float32)
-        x1 = cuda.local.array(PART, float32)
+        # Two parts of each row a round, four arrays (gate_up_dots): the gate and up rows'
+        # loads of both parts, and x's values for them, are in flight before any is used. A
+        # warp's time here is a chain of memory round trips; this makes it a quarter as long
+        # as one load at a time. No branch stands between the loads (a load after a branch
+        # waits for the work before it): a second part past the row's end reads the last
+        # part again, and is not added.
+        # A miss (slot < 0, the same for the whole block) is staged first (expert_rows.py:
+        # stage_rows): the block's gate rows j0 .. and up rows F + j0 .. into shared memory,
+        # read from there.
+        n_warps = cuda.blockDim.x // WARP
+        j0 = cuda.blockIdx.x * n_warps
+        staged = slot < 0 and row_words > 0
+        stage = cuda.shared.array((1, STAGE_ROWS, STAGE_ROW_WORDS), uint32)  # (1, gate rows | up rows, words)
+        if staged:
+            stage_rows(host_words, index, j0, min(n_warps, f - j0), row_words, stage, 0, 0)
+            stage_rows(host_words, index, f + j0, min(n_warps, f - j0), row_words, stage, 0, n_warps)
+        cuda.syncthreads()
         gate, up = float32(0.0), float32(0.0)
         n = d // PART
         if j < f:
-            for q0 in range(lane, n, 2 * WARP):
-                q1 = min(q0 + WARP, n - 1)
-                blk0, p0, blk1, p1 = q0 // PARTS, q0 % PARTS, q1 // PARTS, q1 % PARTS
-                x_part(x_norm, t, blk0, p0, x0)
-                x_part(x_norm, t, blk1, p1, x1)
-                expert_part(slot_a, slot_b, host_a, host_b, slot, index, j, blk0, p0, g0)
-                expert_part(slot_a, slot_b, host_a, host_b, slot, index, f + j, blk0, p0, u0)
-                expert_part(slot_a, slot_b, host_a, host_b, slot, index, j, blk1, p1, g1)
-                expert_part(slot_a, slot_b, host_a, host_b, slot, index, f + j, blk1, p1, u1)
-                gate += part_dot(g0, x0)
-                up += part_dot(u0, x0)
-                if q0 + WARP < n:
-                    gate += part_dot(g1, x1)
-                    up += part_dot(u1, x1)
+            if staged:
+                sa, sb = stage.view(view_a), stage.view(view_b)
+                gate, up = gate_up_dots(sa, sb, sa, sb, 0, 0, warp, n_warps + warp, x_norm, t, lane, n)
+            else:
+                gate, up = gate_up_dots(slot_a, slot_b, host_a, host_b, slot, index, j, f + j, x_norm, t, lane, n)
         gate, up = warp_sum(gate), warp_sum(up)  # every warp calls them: a barrier under the simulator
         if lane == 0 and j < f:
             h[t, r, j] = gate / (float32(1.0) + math.exp(-gate)) * up
@@ -169,18 +200,19 @@ def make_expert_gate_up_kernel(part, nibbles):
     return waits_for_inputs(expert_gate_up_kernel)
 
 
-EXPERT_GATE_UP_KERNELS = {qtype: make_expert_gate_up_kernel(part, nibbles)
-                          for qtype, (part, _, _, nibbles) in QTYPES.items()}
+EXPERT_GATE_UP_KERNELS = {qtype: make_expert_gate_up_kernel(part, nibbles, view_a, view_b)
+                          for qtype, (part, view_a, view_b, nibbles) in QTYPES.items()}
 # --8<-- [end:expert_gate_up_kernel]
 
 
-def expert_gate_up(x_norm, chosen, slot_of, at, slots, host, qtype, h, ahead=None, ahead_out=None):
+def expert_gate_up(x_norm, chosen, slot_of, at, slots, host, qtype, h, ahead=None, ahead_out=None, stage=True):
     """Like expert_gate_up_ref, on the device, with the experts as their GGUF rows: slots
     (N, 2F, bytes) and host (L * E, 2F, bytes) uint8 of type qtype (host: mapped memory
     or a device array). NumPy arguments are moved (h is written back). ahead: the down
     matrices (slots (N, D, bytes), host (L * E, D, bytes)) whose chosen experts' bytes are
     read into L2 meanwhile; ahead_out: a uint32 array with a slot per thread of the grid,
-    given the XOR of the bytes each read."""
+    given the XOR of the bytes each read. stage: a miss's rows are staged through shared
+    memory (False: read in place, as the tests compare)."""
     expect("x_norm", x_norm, np.float32, (None, None))
     n, d = x_norm.shape
     expect("h", h, np.float32, (n, None, None))
@@ -207,6 +239,7 @@ def expert_gate_up(x_norm, chosen, slot_of, at, slots, host, qtype, h, ahead=Non
         else:
             expect("ahead_out", ahead_out, np.uint32, (grid[0] * grid[1] * EXPERT_WARPS * WARP,))
             ahead_out = dev.write(ahead_out)
+        words, row_words = stage_words(dev, host, STAGE_ROW_WORDS if stage else 0)
         EXPERT_GATE_UP_KERNELS[qtype][grid, EXPERT_WARPS * WARP, stream()](
             dev.read(x_norm), dev.read(chosen), dev.read(slot_of), np.int32(at), slot_a, slot_b, host_a, host_b,
-            dev.write(h), down_slots, down_host, ahead_out)
+            dev.write(h), down_slots, down_host, ahead_out, words, row_words)

@@ -13,12 +13,13 @@ Index legend: L layers, E experts a layer, N slots, rows and bytes of one expert
 from __future__ import annotations
 
 import numpy as np
-from numba import cuda
+from numba import cuda, int32, uint32
 
-from strata_nb.gpu.launch import expect, view_bytes
+from strata_nb.gpu.launch import absent, expect, view_bytes
 from strata_nb.kernels.dense.gguf_rows import QTYPES, row_bytes
 
 MAX_USED = 8  # K: the experts a token takes, at most
+STAGE_LOADS = 8  # words a thread loads before it stores any, staging rows
 
 
 # --8<-- [start:expert_part]
@@ -40,6 +41,46 @@ def make_expert_part(part):
 
     return expert_part
 # --8<-- [end:expert_part]
+
+
+# --8<-- [start:stage_rows]
+# A miss read in place is read the way a hit is, a few bytes at a time: a Q4_1 part is a
+# 2-byte scale, a 2-byte minimum and 4 bytes of codes, three loads, and each crosses the bus
+# as a request of its own. So a thread block whose rows include a missed expert's first
+# copies them into shared memory, 4-byte words side by side (a warp's loads are one run of
+# 128 bytes, STAGE_LOADS of them in flight a thread), and dequantizes them from there: the
+# same bytes, so the same bits.
+@cuda.jit(device=True)
+def stage_rows(words, index, first, n_rows, row_words, stage, i, s0):
+    """Rows first .. first + n_rows - 1 of entry `index` of `words` ((entries, rows *
+    row_words) uint32: a host copy or a slot pool as words) into stage[i, s0 ..] (a
+    (*, *, >= row_words) uint32 shared array), every thread of the block a strided share.
+    The caller waits at a barrier before it reads them."""
+    n, base, step = n_rows * row_words, first * row_words, cuda.blockDim.x
+    vals = cuda.local.array(STAGE_LOADS, uint32)
+    start = cuda.threadIdx.x
+    while start < n:
+        for u in range(STAGE_LOADS):  # the loads first, all in flight (past the end: the last word again)
+            vals[u] = words[index, base + min(start + u * step, n - 1)]
+        for u in range(STAGE_LOADS):
+            k = int32(start + u * step)
+            if k < n:
+                s = k // int32(row_words)  # a 32-bit division
+                stage[i, s0 + s, k - s * row_words] = vals[u]
+        start += STAGE_LOADS * step
+
+
+def stage_words(dev, a, row_capacity: int):
+    """A launch's staging arguments for an (entries, rows, bytes) uint8 stack of expert
+    matrices: the stack as (entries, rows * words) uint32, and its words a row. (0, 0)
+    and 0 (misses read in place) where a row is not whole words or is longer than a
+    staged row holds (`row_capacity` words)."""
+    n_bytes = a.shape[2]
+    if n_bytes % 4 or n_bytes // 4 > row_capacity:
+        return absent((0, 0), np.uint32), np.int32(0)
+    words = view_bytes(dev.read(a), np.uint32)
+    return words.reshape(a.shape[0], a.shape[1] * (n_bytes // 4)), np.int32(n_bytes // 4)
+# --8<-- [end:stage_rows]
 
 
 def expert_views(name: str, a, qtype: str, rows: int, n_in: int):
