@@ -234,7 +234,7 @@ def make_expert_down_kernel(part, nibbles, view_a, view_b, rows):
             for v in range(k):
                 words, entry = (slot_words, slot[v]) if slot[v] >= 0 else (host_words, index[v])
                 stage_rows(words, entry, o0, min(rows, d - o0), row_words, stage, v, 0)
-        cuda.syncthreads()
+            cuda.syncthreads()  # staged is the same for the whole block: a hit's blocks wait for nothing
         if staged:
             sa, sb = stage.view(view_a), stage.view(view_b)
             down_sums(sa, sb, sa, sb, True, slot, index, scale, h, t, o0, d, k, f, acc)

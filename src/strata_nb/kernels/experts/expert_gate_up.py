@@ -179,7 +179,7 @@ def make_expert_gate_up_kernel(part, nibbles, view_a, view_b):
         if staged:
             stage_rows(host_words, index, j0, min(n_warps, f - j0), row_words, stage, 0, 0)
             stage_rows(host_words, index, f + j0, min(n_warps, f - j0), row_words, stage, 0, n_warps)
-        cuda.syncthreads()
+            cuda.syncthreads()  # staged is the same for the whole block: a hit's blocks wait for nothing
         gate, up = float32(0.0), float32(0.0)
         n = d // PART
         if j < f:
