@@ -363,9 +363,9 @@ class CudaBackend:
         route(x, norm, eps, router.raw, router.qtype, x_norm, chosen, weights, slot_of, experts.res, at,
               experts.lookups, experts.hits, last=last)
         expert_gate_up(x_norm, chosen, slot_of, at, experts.slot_gate_up, experts.host_gate_up, experts.qtype, h,
-                       ahead=(experts.slot_down, experts.host_down))
+                       ahead=(experts.slot_down, experts.host_down), stage=experts.can_miss)
         expert_down(h, chosen, weights, slot_of, at, experts.slot_down, experts.host_down, experts.qtype, x,
-                    ahead=_rows(ahead))
+                    ahead=_rows(ahead), stage=experts.can_miss)
         return x
     # --8<-- [end:cuda_ops]
 

@@ -91,6 +91,12 @@ class ExpertCache:
         if self.n_slots == n:  # every expert fits: all resident from the start, nothing to adapt
             self._move([(i, i, -1) for i in range(n)])
 
+    @property
+    def can_miss(self) -> bool:
+        """Fewer slots than experts: a lookup can miss (the expert kernels then stage a
+        miss's rows; with every expert in a slot they are built without that code)."""
+        return self.n_slots < len(self.res_host)
+
     def at(self, layer: int) -> int:
         """Layer `layer`'s first entry in res and the counters."""
         return layer * self.n_expert

@@ -143,9 +143,10 @@ STAGE_ROW_WORDS = 256  # words of a staged down row (1 KiB: F up to 1,638 in Q4_
 
 
 # --8<-- [start:expert_down_kernel]
-def make_expert_down_kernel(part, nibbles, view_a, view_b, rows):
+def make_expert_down_kernel(part, nibbles, view_a, view_b, rows, stages):
     """The fast kernel: `rows` outputs a thread block, their K F terms split between its
-    threads (thread i: terms i, i + threads, ... of every row)."""
+    threads (thread i: terms i, i + threads, ... of every row). `stages`: it stages a
+    miss's rows (a cache that can miss), else it has no staging code at all."""
     expert_part = make_expert_part(part)
 
     @inline_device
@@ -226,7 +227,7 @@ def make_expert_down_kernel(part, nibbles, view_a, view_b, rows):
         # rows o0 .. of every chosen expert, from the slot or the host copy (expert_rows.py:
         # stage_rows), and reads them all from shared memory: one loop, one kind of memory.
         staged = False
-        if row_words > 0:
+        if stages and row_words > 0:
             for v in range(k):
                 staged = staged or slot[v] < 0
         stage = cuda.shared.array((MAX_USED, rows, STAGE_ROW_WORDS), uint32)  # (expert, row, words)
@@ -261,8 +262,8 @@ def make_expert_down_kernel(part, nibbles, view_a, view_b, rows):
 
 
 EXPERT_DOWN_KERNELS1 = {qtype: make_expert_down_kernel1(part, nibbles) for qtype, (part, _, _, nibbles) in QTYPES.items()}
-EXPERT_DOWN_KERNELS = {qtype: make_expert_down_kernel(part, nibbles, view_a, view_b, ROWS)
-                       for qtype, (part, view_a, view_b, nibbles) in QTYPES.items()}
+EXPERT_DOWN_KERNELS = {(qtype, stages): make_expert_down_kernel(part, nibbles, view_a, view_b, ROWS, stages)
+                       for qtype, (part, view_a, view_b, nibbles) in QTYPES.items() for stages in (False, True)}
 # --8<-- [end:expert_down_kernel]
 
 
@@ -274,7 +275,8 @@ def expert_down(h, chosen, weights, slot_of, at, slots, host, qtype, x, plain: b
     per thread block (default: a term of each row per thread, at most EXPERT_DOWN_WARPS;
     tests set it under the simulator). ahead, ahead_out: the fast kernel reads ahead as
     matvec does (its docstring). stage: the fast kernel stages a miss's rows through
-    shared memory (False: reads them in place, as the tests compare)."""
+    shared memory (False: reads them in place; the engine's choice when every expert is
+    resident, so its kernel has no staging code)."""
     expect("x", x, np.float32, (None, None))
     n, d = x.shape
     expect("h", h, np.float32, (n, None, None))
@@ -302,5 +304,5 @@ def expert_down(h, chosen, weights, slot_of, at, slots, host, qtype, x, plain: b
         ahead, ahead_out = ahead_arrays(dev, ahead, ahead_out, grid[0] * warps * WARP)
         slot_words, row_words = stage_words(dev, slots, STAGE_ROW_WORDS if stage and slots.shape[0] else 0)
         host_words, row_words = stage_words(dev, host, STAGE_ROW_WORDS if stage else 0)
-        EXPERT_DOWN_KERNELS[qtype][grid, warps * WARP, stream()](*args, ahead, ahead_out, slot_words, host_words,
-                                                                  row_words)
+        EXPERT_DOWN_KERNELS[qtype, bool(row_words)][grid, warps * WARP, stream()](
+            *args, ahead, ahead_out, slot_words, host_words, row_words)

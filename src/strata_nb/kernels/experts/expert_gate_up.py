@@ -79,7 +79,9 @@ STAGE_ROWS = 2 * EXPERT_WARPS  # a block's gate rows, then its up rows
 
 
 # --8<-- [start:expert_gate_up_kernel]
-def make_expert_gate_up_kernel(part, nibbles, view_a, view_b):
+def make_expert_gate_up_kernel(part, nibbles, view_a, view_b, stages):
+    """The kernel for one weight type; `stages`: it stages a miss's rows (a cache that can
+    miss), else it has no staging code at all (every expert resident)."""
     expert_part = make_expert_part(part)
 
     @cuda.jit(device=True)
@@ -174,7 +176,7 @@ def make_expert_gate_up_kernel(part, nibbles, view_a, view_b):
         # read from there.
         n_warps = cuda.blockDim.x // WARP
         j0 = cuda.blockIdx.x * n_warps
-        staged = slot < 0 and row_words > 0
+        staged = stages and slot < 0 and row_words > 0
         stage = cuda.shared.array((1, STAGE_ROWS, STAGE_ROW_WORDS), uint32)  # (1, gate rows | up rows, words)
         if staged:
             stage_rows(host_words, index, j0, min(n_warps, f - j0), row_words, stage, 0, 0)
@@ -200,8 +202,8 @@ def make_expert_gate_up_kernel(part, nibbles, view_a, view_b):
     return waits_for_inputs(expert_gate_up_kernel)
 
 
-EXPERT_GATE_UP_KERNELS = {qtype: make_expert_gate_up_kernel(part, nibbles, view_a, view_b)
-                          for qtype, (part, view_a, view_b, nibbles) in QTYPES.items()}
+EXPERT_GATE_UP_KERNELS = {(qtype, stages): make_expert_gate_up_kernel(part, nibbles, view_a, view_b, stages)
+                          for qtype, (part, view_a, view_b, nibbles) in QTYPES.items() for stages in (False, True)}
 # --8<-- [end:expert_gate_up_kernel]
 
 
@@ -212,7 +214,8 @@ def expert_gate_up(x_norm, chosen, slot_of, at, slots, host, qtype, h, ahead=Non
     matrices (slots (N, D, bytes), host (L * E, D, bytes)) whose chosen experts' bytes are
     read into L2 meanwhile; ahead_out: a uint32 array with a slot per thread of the grid,
     given the XOR of the bytes each read. stage: a miss's rows are staged through shared
-    memory (False: read in place, as the tests compare)."""
+    memory (False: read in place; the engine's choice when every expert is resident, so
+    its kernel has no staging code)."""
     expect("x_norm", x_norm, np.float32, (None, None))
     n, d = x_norm.shape
     expect("h", h, np.float32, (n, None, None))
@@ -240,6 +243,6 @@ def expert_gate_up(x_norm, chosen, slot_of, at, slots, host, qtype, h, ahead=Non
             expect("ahead_out", ahead_out, np.uint32, (grid[0] * grid[1] * EXPERT_WARPS * WARP,))
             ahead_out = dev.write(ahead_out)
         words, row_words = stage_words(dev, host, STAGE_ROW_WORDS if stage else 0)
-        EXPERT_GATE_UP_KERNELS[qtype][grid, EXPERT_WARPS * WARP, stream()](
+        EXPERT_GATE_UP_KERNELS[qtype, bool(row_words)][grid, EXPERT_WARPS * WARP, stream()](
             dev.read(x_norm), dev.read(chosen), dev.read(slot_of), np.int32(at), slot_a, slot_b, host_a, host_b,
             dev.write(h), down_slots, down_host, ahead_out, words, row_words)
