@@ -1,6 +1,8 @@
-"""What an expert-cache miss costs on a GPU, served the two ways it can be: read in place
-from pinned host memory by the expert kernels (what the engine does), or copied into a
-VRAM slot first and then read there. Against the cost of a hit (the slot already holds it).
+"""What an expert-cache miss costs on a GPU, served the ways it can be: read from pinned
+host memory by the expert kernels themselves, staged through shared memory (what the
+engine does when its cache can miss) or read in place part by part (the unstaged build),
+or copied into a VRAM slot first and then read there. Against the cost of a hit (the
+slot already holds it).
 
     STRATA_NB_GPU=1 python tools/expert_miss.py
 
@@ -76,9 +78,9 @@ def main():
     h = cuda.device_array((1, K, F), np.float32)
     x = cuda.to_device(np.zeros((1, D), np.float32))
 
-    def experts(slot_of):
-        expert_gate_up(x_norm, chosen, slot_of, 0, slots_gu, host_gu, QTYPE, h)
-        expert_down(h, chosen, weights, slot_of, 0, slots_down, host_down, QTYPE, x)
+    def experts(slot_of, stage=True):
+        expert_gate_up(x_norm, chosen, slot_of, 0, slots_gu, host_gu, QTYPE, h, stage=stage)
+        expert_down(h, chosen, weights, slot_of, 0, slots_down, host_down, QTYPE, x, stage=stage)
 
     copies = cuda.stream()
 
@@ -101,7 +103,8 @@ def main():
         for host, slot_pool in runs:
             copy_runs(host, slot_pool, experts_dev, slots_dev)
 
-    hit, in_place = replayed(lambda: experts(resident)), replayed(lambda: experts(missing))
+    hit, staged = replayed(lambda: experts(resident)), replayed(lambda: experts(missing))
+    in_place = replayed(lambda: experts(missing, stage=False))
     copied = timed(copy_both, copies) + hit
     filled = replayed(fill_kernels) + hit
     fill_both()
@@ -114,7 +117,8 @@ def main():
     miss_bytes = K * (host_gu[0].nbytes + host_down[0].nbytes)
     print(f"one layer, T = 1, K = {K} experts of {miss_bytes / K / 2**20:.2f} MiB ({QTYPE}, D {D}, F {F})")
     print(f"  both hits (VRAM slots):          {hit:8.1f} us")
-    for name, us in (("both misses, read in place", in_place), ("both misses, DMA copy then read", copied),
+    for name, us in (("both misses, staged", staged), ("both misses, read in place", in_place),
+                     ("both misses, DMA copy then read", copied),
                      ("both misses, copy kernel then read", filled)):
         print(f"  {name + ':':32s} {us:8.1f} us  ({miss_bytes / (us - hit) / 1e3:.1f} GB/s over the bus for the misses)")
     print(f"  (the copy kernel's launches cost the host {host_us:.1f} us for both experts)")

@@ -16,6 +16,7 @@ import numpy as np
 from numba import config, cuda, int32
 
 from strata_nb.gpu import device_memory, fast_launch
+from strata_nb.gpu.geometry import SIMULATED
 from strata_nb.kv_layout import BLOCK, PoolArray
 
 device_memory.install()  # launchers' outputs reuse freed device memory (gpu/device_memory.py)
@@ -199,7 +200,7 @@ def inline_device(fn):
     """@cuda.jit(device=True), inlined into each caller by NVVM (`forceinline`): a loop
     a kernel runs in two places, over different memories, compiles in each as if written
     there. The simulator runs Python and has no such option."""
-    if config.ENABLE_CUDASIM:
+    if SIMULATED:
         return cuda.jit(device=True)(fn)
     return cuda.jit(device=True, forceinline=True)(fn)
 
