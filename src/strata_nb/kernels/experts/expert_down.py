@@ -19,7 +19,9 @@ row and the loads of all its rows are in flight together. In the plain kernel a 
 walks six parts of one row in three rounds at the default shapes, each round a trip to
 memory that the next waits for; here a thread makes one trip for its four rows. Each
 thread's sum, then each warp's, then the warps' in order: the result does not depend on
-timing, or on where an expert's rows were read from.
+timing, or on where an expert's rows were read from. When the cache can miss, a block
+whose token chose a missed expert stages its rows of every chosen expert through shared
+memory first, and reads them all there (expert_rows.py: stage_rows).
 
 Each x[t, d] has one writer in both, so there are no atomics.
 
@@ -302,7 +304,8 @@ def expert_down(h, chosen, weights, slot_of, at, slots, host, qtype, x, plain: b
             return
         grid = (-(-d // ROWS), n)
         ahead, ahead_out = ahead_arrays(dev, ahead, ahead_out, grid[0] * warps * WARP)
-        slot_words, row_words = stage_words(dev, slots, STAGE_ROW_WORDS if stage and slots.shape[0] else 0)
         host_words, row_words = stage_words(dev, host, STAGE_ROW_WORDS if stage else 0)
+        # a staging block copies its hits' rows too, from the slot pool (the same row length)
+        slot_words = stage_words(dev, slots, STAGE_ROW_WORDS)[0] if row_words and slots.shape[0] else host_words
         EXPERT_DOWN_KERNELS[qtype, bool(row_words)][grid, warps * WARP, stream()](
             *args, ahead, ahead_out, slot_words, host_words, row_words)

@@ -8,7 +8,9 @@ ffn_gate_exps and ffn_up_exps hold them.
 
 Only the chosen experts' rows are read, from the slot or the host copy
 (expert_rows.py): at K of E experts a token, a step reads K/E of the layer's expert bytes.
-Where is route's `slot_of[t, r]`: the router looked the expert up. One warp computes one
+Where is route's `slot_of[t, r]`: the router looked the expert up. When the cache can
+miss, a block whose choice is a miss stages its rows through shared memory first
+(expert_rows.py: stage_rows). One warp computes one
 j for one (t, r): gate row j and up row j, each dotted with the token's normed row, then
 SwiGLU in the epilogue (one launch, no (T, K, 2F) intermediate). The grid is
 (F / warps per block, T * K). In a decode step or a verify window the kernel also reads
