@@ -229,7 +229,7 @@ def make_expert_down_kernel(part, nibbles, view_a, view_b, rows, stages):
         # rows o0 .. of every chosen expert, from the slot or the host copy (expert_rows.py:
         # stage_rows), and reads them all from shared memory: one loop, one kind of memory.
         staged = False
-        if stages and row_words > 0:
+        if stages:  # the staging build is launched only with rows that fit
             for v in range(k):
                 staged = staged or slot[v] < 0
         stage = cuda.shared.array((MAX_USED, rows, STAGE_ROW_WORDS), uint32)  # (expert, row, words)
@@ -238,7 +238,6 @@ def make_expert_down_kernel(part, nibbles, view_a, view_b, rows, stages):
                 words, entry = (slot_words, slot[v]) if slot[v] >= 0 else (host_words, index[v])
                 stage_rows(words, entry, o0, min(rows, d - o0), row_words, stage, v, 0)
             cuda.syncthreads()  # staged is the same for the whole block: a hit's blocks wait for nothing
-        if staged:
             sa, sb = stage.view(view_a), stage.view(view_b)
             down_sums(sa, sb, sa, sb, True, slot, index, scale, h, t, o0, d, k, f, acc)
         else:

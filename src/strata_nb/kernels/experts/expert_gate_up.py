@@ -178,7 +178,7 @@ def make_expert_gate_up_kernel(part, nibbles, view_a, view_b, stages):
         # read from there.
         n_warps = cuda.blockDim.x // WARP
         j0 = cuda.blockIdx.x * n_warps
-        staged = stages and slot < 0 and row_words > 0
+        staged = stages and slot < 0  # the staging build is launched only with rows that fit
         stage = cuda.shared.array((1, STAGE_ROWS, STAGE_ROW_WORDS), uint32)  # (1, gate rows | up rows, words)
         if staged:
             stage_rows(host_words, index, j0, min(n_warps, f - j0), row_words, stage, 0, 0)
