@@ -78,8 +78,9 @@ def main():
     h = cuda.device_array((1, K, F), np.float32)
     x = cuda.to_device(np.zeros((1, D), np.float32))
 
-    def experts(slot_of, stage=True):
-        expert_gate_up(x_norm, chosen, slot_of, 0, slots_gu, host_gu, QTYPE, h, stage=stage)
+    def experts(slot_of, stage=True, ahead=False):
+        expert_gate_up(x_norm, chosen, slot_of, 0, slots_gu, host_gu, QTYPE, h, stage=stage,
+                       ahead=(slots_down, host_down) if ahead else None)
         expert_down(h, chosen, weights, slot_of, 0, slots_down, host_down, QTYPE, x, stage=stage)
 
     copies = cuda.stream()
@@ -105,6 +106,7 @@ def main():
 
     hit, staged = replayed(lambda: experts(resident)), replayed(lambda: experts(missing))
     in_place = replayed(lambda: experts(missing, stage=False))
+    hit_ahead, staged_ahead = replayed(lambda: experts(resident, ahead=True)), replayed(lambda: experts(missing, ahead=True))
     copied = timed(copy_both, copies) + hit
     filled = replayed(fill_kernels) + hit
     fill_both()
@@ -117,7 +119,9 @@ def main():
     miss_bytes = K * (host_gu[0].nbytes + host_down[0].nbytes)
     print(f"one layer, T = 1, K = {K} experts of {miss_bytes / K / 2**20:.2f} MiB ({QTYPE}, D {D}, F {F})")
     print(f"  both hits (VRAM slots):          {hit:8.1f} us")
-    for name, us in (("both misses, staged", staged), ("both misses, read in place", in_place),
+    print(f"  both hits, down read ahead:      {hit_ahead:8.1f} us")
+    for name, us in (("both misses, staged", staged), ("staged, down read ahead", staged_ahead),
+                     ("both misses, read in place", in_place),
                      ("both misses, DMA copy then read", copied),
                      ("both misses, copy kernel then read", filled)):
         print(f"  {name + ':':32s} {us:8.1f} us  ({miss_bytes / (us - hit) / 1e3:.1f} GB/s over the bus for the misses)")

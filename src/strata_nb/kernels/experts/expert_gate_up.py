@@ -15,7 +15,9 @@ j for one (t, r): gate row j and up row j, each dotted with the token's normed r
 SwiGLU in the epilogue (one launch, no (T, K, 2F) intermediate). The grid is
 (F / warps per block, T * K). In a decode step or a verify window the kernel also reads
 each chosen expert's down matrix into L2 for expert_down, as matvec reads the next
-product's weights ahead.
+product's weights ahead, when the expert is in a slot: a miss's down matrix is in host
+memory, where reading it ahead costs bus time that expert_down does not win back (it
+reads those bytes over the bus again: tools/expert_miss.py, "down read ahead").
 
 Tolerance: each dot as matvec's (`dot_tolerance`), then swiglu's 16 u. With the gate
 value g and the up value u each within its bound dg, du of the reference's, the product
@@ -139,7 +141,7 @@ def make_expert_gate_up_kernel(part, nibbles, view_a, view_b, stages):
                               host_a, host_b,   # (L * E, 2F, *) views of the host copy
                               h,                # (T, K, F) float32, written
                               down_slots,       # (N, bytes) uint8: the slot pool's down matrices, flat
-                              down_host,        # (L * E, bytes) uint8: the host copy's; (0, 0) = no read ahead
+                              down_host,        # (L * E, bytes) uint8: the host copy's (its shape); (0, 0) = no read ahead
                               ahead_out,        # (threads of the grid,) uint32: what each read ahead, or (0,)
                               host_words,       # (L * E, 2F * row_words) uint32: the host copy as words
                               row_words):       # int32: words a row; 0 = a miss is read in place
@@ -151,10 +153,11 @@ def make_expert_gate_up_kernel(part, nibbles, view_a, view_b, stages):
         f, d = h.shape[2], x_norm.shape[1]
         index = at + chosen[t, r]
         slot = slot_of[t, r]  # where this expert's rows are read from: route looked it up
-        # Ahead (matvec_fused.py, "Reading ahead"): the thread blocks of this choice read the
-        # first byte of each 32-byte sector of the expert's down matrix, AHEAD sectors a
-        # thread, so expert_down finds it in L2. Only for a step or a window (T <= MAX_ROWS):
-        # a prompt chunk's choices would read the same experts over and over.
+        # Ahead (matvec_fused.py, "Reading ahead"): the thread blocks of a hit read the first
+        # byte of each 32-byte sector of the expert's down matrix in its slot, AHEAD sectors
+        # a thread, so expert_down finds it in L2 (a miss's: not at all, module docstring).
+        # Only for a step or a window (T <= MAX_ROWS): a prompt chunk's choices would read
+        # the same experts over and over.
         g = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
         early = cuda.local.array(AHEAD, uint32)
         reading = down_host.shape[1] > 0 and h.shape[0] <= MAX_ROWS
@@ -162,11 +165,8 @@ def make_expert_gate_up_kernel(part, nibbles, view_a, view_b, stages):
         for u in range(AHEAD):
             sector = g + u * cuda.gridDim.x * cuda.blockDim.x
             early[u] = uint32(0)
-            if reading and sector < n_sectors:
-                if slot >= 0:
-                    early[u] = uint32(down_slots[slot, sector * SECTOR])
-                else:
-                    early[u] = uint32(down_host[index, sector * SECTOR])
+            if reading and sector < n_sectors and slot >= 0:
+                early[u] = uint32(down_slots[slot, sector * SECTOR])
         # Two parts of each row a round, four arrays (gate_up_dots): the gate and up rows'
         # loads of both parts, and x's values for them, are in flight before any is used. A
         # warp's time here is a chain of memory round trips; this makes it a quarter as long
@@ -214,7 +214,7 @@ def expert_gate_up(x_norm, chosen, slot_of, at, slots, host, qtype, h, ahead=Non
     (N, 2F, bytes) and host (L * E, 2F, bytes) uint8 of type qtype (host: mapped memory
     or a device array). NumPy arguments are moved (h is written back). ahead: the down
     matrices (slots (N, D, bytes), host (L * E, D, bytes)) whose chosen experts' bytes are
-    read into L2 meanwhile; ahead_out: a uint32 array with a slot per thread of the grid,
+    read into L2 meanwhile, those in slots; ahead_out: a uint32 array with a slot per thread of the grid,
     given the XOR of the bytes each read. stage: a miss's rows are staged through shared
     memory (False: read in place; the engine's choice when every expert is resident, so
     its kernel has no staging code)."""
