@@ -97,6 +97,23 @@ def test_a_prompt_chunk_fills_the_slots_with_its_most_used_experts(copies):
     assert cache.stats().since(before).hits > 0
 
 
+def test_a_decode_step_adapts_by_the_counters_read_back_at_the_adapt_before(copies):
+    """Between decode steps the host plans from the counters read back at the last adapt,
+    so it never waits for the GPU there; after a prompt chunk it reads them as they are."""
+    eng = Engine.load(model=copies, device="cpu", max_context=256, expert_cache=5, adapt_every=1)
+    cache = eng.weights.experts
+    counters = []
+    eng.prefill(PROMPT)
+    counters.append(np.asarray(cache.lookups).astype(np.int64).copy())
+    np.testing.assert_array_equal(cache._seen, counters[0])  # the chunk's own lookups
+    token = int(PROMPT[-1])
+    for pos in range(len(PROMPT), len(PROMPT) + 3):
+        token = int(np.argmax(eng.decode_one_token(token, pos)))
+        counters.append(np.asarray(cache.lookups).astype(np.int64).copy())
+        np.testing.assert_array_equal(cache._seen, counters[-2])  # one adapt behind
+    assert (counters[-1] > counters[0]).any()
+
+
 def test_negative_control_a_slot_marked_resident_before_its_copy_lands(copies, resident):
     logits, eng = run(copies, 5, fault="expert-early-resident")
     assert eng.weights.experts.stats().copies > 0

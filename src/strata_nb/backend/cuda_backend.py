@@ -203,6 +203,37 @@ class CudaBackend:
                 _check(cu.cuMemcpyHtoDAsync(address, host.ctypes.data, nbytes, 0))
         cuda.synchronize()
 
+    def queue_copy(self, dst, src):
+        """dst <- src, one a device array and the other pinned host memory of the same
+        bytes, queued on the legacy stream: after every launch queued before it and before
+        every launch queued after (a step's, a graph's), and the host does not wait. The
+        host array is read, or written, when the copy runs: leave it alone until a later
+        `queue_mark` has fired."""
+        if SIMULATED:  # the simulator's arrays, and every launch has run already
+            if isinstance(dst, np.ndarray):
+                src.copy_to_host(dst)
+            else:
+                dst.copy_to_device(src)
+            return
+        from cuda.bindings import driver as cu
+
+        from .cuda_graph import _check
+
+        assert dst.nbytes == src.nbytes and dst.flags["C_CONTIGUOUS"] and src.flags["C_CONTIGUOUS"]
+        if isinstance(dst, np.ndarray):
+            _check(cu.cuMemcpyDtoHAsync(dst.ctypes.data, src.__cuda_array_interface__["data"][0], dst.nbytes, 0))
+        else:
+            _check(cu.cuMemcpyHtoDAsync(dst.__cuda_array_interface__["data"][0], src.ctypes.data, dst.nbytes, 0))
+
+    def queue_mark(self):
+        """An event on the legacy stream: its synchronize() returns once everything queued
+        so far has run."""
+        if SIMULATED:  # every launch has run already
+            return cuda.event()
+        mark = cuda.event(timing=False)
+        mark.record(cuda.legacy_default_stream())
+        return mark
+
     def copy_into(self, dst, src):
         """dst (device) <- src (host table or array)."""
         if dst is src:

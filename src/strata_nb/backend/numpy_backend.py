@@ -51,6 +51,15 @@ class NumpyBackend:
         """(nbytes,) uint8 host memory: pinned on the cuda backend; here there is no device to copy to."""
         return np.empty(nbytes, np.uint8)
 
+    def queue_copy(self, dst, src):
+        """dst[...] = src now: the cuda backend's copy queued between launches (here each
+        op has run by the time it returns)."""
+        dst[...] = src
+
+    def queue_mark(self):
+        """The cuda backend's event after what is queued: here everything has run."""
+        return _Done()
+
     def copy_into(self, dst, src):
         """dst[...] = src (a host table to its device twin; here they are often one array)."""
         if dst is not src:
@@ -182,3 +191,10 @@ class NumpyBackend:
         expert_down_ref(h, chosen, weights, experts.res, at, experts.slot_down, experts.host_down, x)
         return x
     # --8<-- [end:numpy_ops]
+
+
+class _Done:
+    """A mark that has fired."""
+
+    def synchronize(self):
+        pass

@@ -14,10 +14,16 @@ Every `adapt_every` passes (a decode step, a verify window), and after every pro
 moves them in an order that keeps every step right: first the evicted experts' entries
 become -1 (their slots are read by no later step), then the weights are copied into the
 slots, then the new entries point at them. A copy counts as resident only after it lands.
-On the cuda backend all three go through the default stream, which orders them after the
+On the cuda backend all three are queued on the legacy stream, which orders them after the
 steps already queued and before any step queued later; on the numpy backend they happen in
 that order. The kernels read the same bytes from a slot as from the host copy, so output
 does not depend on the cache.
+
+The host does not wait for the GPU to adapt between decode steps: the counters it plans
+from were read back at the previous adapt (a copy queued then, landed by now), so a decode
+step is queued while the one before still runs, as without a cache. The policy sees the
+lookups of all but the last `adapt_every` passes. After a prompt chunk it reads them
+now (the host waits for the chunk), so the reply's first steps find the prompt's experts.
 
 `fault="expert-early-resident"` is the teaching switch for the race the order prevents:
 the entries point at the slots before the copies are made, and the copies land only after
@@ -81,6 +87,11 @@ class ExpertCache:
         self._moves_index = view_bytes(self._moves, np.int32)  # the same memory, as the kernel takes it
         self.res_host = np.full(n, -1, np.int32)  # the host's view of res, which it alone changes
         self.res = be.asarray(self.res_host.copy())  # (L * E,) int32: slot or -1
+        # res as a move's two copies write it (evicted, then filled), and the counters read
+        # back, in pinned memory the queued copies read and write when they run
+        self._tables = [be.pinned_bytes(4 * n).view(np.int32) for _ in range(2)]
+        self._counts = be.pinned_bytes(4 * n).view(np.int32)
+        self._counted = None  # the mark after the last read back of the counters (and the moves before it)
         self.lookups = be.zeros((n,), np.int32)
         self.hits = be.zeros((n,), np.int32)
         self.usage = np.zeros(n)  # decayed lookups (policy.py)
@@ -107,35 +118,55 @@ class ExpertCache:
         tokens' choices, the best guess of what the reply will choose, so the reply's first
         steps find its experts in their slots."""
         if self._late:
+            self._settled()  # the moves lists are free to write
             self._copy(self._late)
             self._late = []
         self._passes += 1
         if self.n_slots and self.n_slots < len(self.res_host) and (prompt or self._passes % self.adapt_every == 0):
-            self.adapt()
+            self.adapt(now=prompt)
 
-    def adapt(self):
-        lookups = self.be.to_numpy(self.lookups).astype(np.int64)  # waits for the steps queued so far
+    def adapt(self, now: bool = True):
+        """Move experts by the counters read back at the last adapt, or (now, or at the
+        first adapt) by the counters as they are now: the host waits for the passes queued."""
+        if now or self._counted is None:
+            self._read_back()
+        self._settled()  # the last adapt's moves have run, and the counters read then have landed
+        lookups = self._counts.astype(np.int64)
         self.usage += lookups - self._seen
         self._seen = lookups
         self._move(plan_moves(self.usage, self.res_host, self.n_slots, self.adapt_swaps))
         self.usage *= DECAY
+        self._read_back()  # for the next adapt, queued after this one's moves
+
+    def _read_back(self):
+        self.be.queue_copy(self._counts, self.lookups)
+        self._counted = self.be.queue_mark()
+
+    def _settled(self):
+        """Wait for the last read back's mark: then every move queued before it has run, and
+        its pinned tables and moves lists may be written again."""
+        if self._counted is not None:
+            self._counted.synchronize()
 
     # --8<-- [start:move]
     def _move(self, moves):
         """Copy each (expert, slot, evicted) in; the order is what makes it safe (module docstring)."""
         if not moves:
             return
+        evicted_table, filled_table = self._tables
         for _, _, evicted in moves:
             if evicted >= 0:
                 self.res_host[evicted] = -1
-        self.be.copy_into(self.res, self.res_host)  # 1. no step reads an evicted expert's slot
+        evicted_table[...] = self.res_host
+        self.be.queue_copy(self.res, evicted_table)  # 1. no step reads an evicted expert's slot
         if self.fault == "expert-early-resident":
             self._late = moves  # the copies land after the next pass has read the slots
         else:
             self._copy(moves)  # 2. the weights land in the slots
         for expert, slot, _ in moves:
             self.res_host[expert] = slot
-        self.be.copy_into(self.res, self.res_host)  # 3. only then do the entries point at them
+        filled_table[...] = self.res_host
+        self.be.queue_copy(self.res, filled_table)  # 3. only then do the entries point at them
         self.moved.copies += len(moves)
         self.moved.swaps += sum(evicted >= 0 for _, _, evicted in moves)
         self.moved.bytes_moved += len(moves) * self.expert_bytes
@@ -147,8 +178,8 @@ class ExpertCache:
         copy kernel (kernels/kv/copy_runs.py), its threads reading the mapped host copy
         over the bus, queued behind the steps already queued; the host does not wait.
         The (expert, slot) lists go through mapped memory too, with no copy of their own:
-        no earlier fill still reads them, because every adapt has waited for the steps
-        queued before it, and the fills queued with them (adapt reads the counters)."""
+        no earlier fill still reads them, because every adapt first waits for the mark
+        queued after the last one's moves (`_settled`)."""
         n = len(moves)
         self._moves[:, :n] = np.array(moves, np.int32)[:, :2].T
         for host, slot_pool in self._runs:
