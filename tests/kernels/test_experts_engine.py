@@ -114,6 +114,48 @@ def test_negative_control_early_resident_is_caught(copies, cuda_resident):
     assert not np.array_equal(got, cuda_resident)
 
 
+LONG_PROMPT = [40, 77, 101, 5, 9, 63, 12, 88, 31, 70]  # more rows than a verify window: a prompt chunk's path
+
+
+def prefill_logits(path, slots):
+    eng = Engine.load(model=path, device="cuda", max_context=64, expert_cache=slots)
+    return eng.prefill(LONG_PROMPT), eng
+
+
+def test_a_prompt_chunk_reads_each_missed_expert_from_its_transit_slot(copies):
+    """A prompt chunk copies each expert it misses into a transit slot once
+    (kernels/experts/fetch_misses.py) and its expert kernels read it there: with no slot
+    at all, the logits of every expert resident, bit for bit, and each expert the chunk
+    chose is in its transit slot afterwards."""
+    want, _ = prefill_logits(copies, "auto")
+    got, eng = prefill_logits(copies, 0)
+    np.testing.assert_array_equal(got, want)
+    cache = eng.weights.experts
+    assert cache.n_transit == 4 and cache.transit == 0
+    chosen = np.flatnonzero(eng.be.to_numpy(cache.lookups))  # one layer: entry = expert
+    slots, host = eng.be.to_numpy(cache.slot_gate_up), np.asarray(cache.host_gate_up)
+    assert len(chosen) >= 2
+    for e in chosen:
+        np.testing.assert_array_equal(slots[cache.transit + e], host[e])
+
+
+def test_negative_control_a_lookup_pointed_at_a_transit_slot_never_filled_is_caught(copies, monkeypatch):
+    """fetch_misses pointing the chunk's lookups at the transit slots but copying nothing
+    into them (they hold zeros; the copies file's experts are all alike, so only missing
+    bytes show): the chunk's logits change, so the test above can fail."""
+    from strata_nb.backend import cuda_backend
+
+    fetch = cuda_backend.fetch_misses
+
+    def unfilled(chosen, slot_of, res, at, host_gu, host_down, *rest):
+        fetch(chosen, slot_of, res, at, *(np.zeros_like(host.copy_to_host()) for host in (host_gu, host_down)), *rest)
+
+    want, _ = prefill_logits(copies, "auto")
+    monkeypatch.setattr(cuda_backend, "fetch_misses", unfilled)
+    got, _ = prefill_logits(copies, 0)
+    assert not np.array_equal(got, want)
+
+
 def test_a_padded_prompt_chunk_counts_only_its_tokens(copies, monkeypatch):
     """A prompt chunk replayed from device memory (engine/prompt_chunk.py, on as on a GPU)
     is padded to its width with its last token: 3 tokens in a chunk of 16 rows. The expert

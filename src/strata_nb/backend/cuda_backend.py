@@ -23,6 +23,7 @@ from ..errors import StrataError
 from ..kernels.dense import embed, gguf_rows, matmul, matmul_mma, matvec, residual, rmsnorm, rope, swiglu
 from ..kernels.experts.expert_down import expert_down
 from ..kernels.experts.expert_gate_up import expert_gate_up
+from ..kernels.experts.fetch_misses import fetch_misses
 from ..kernels.experts.route import MAX_DIM, MAX_EXPERTS, MAX_USED, route
 from ..gpu import dependent_launch, fast_launch, tensor_core
 from ..gpu.geometry import SIMULATED
@@ -50,6 +51,7 @@ class CudaBackend:
     prefill_chunk = 2048
     device = "cuda"
     _mma: bool | None = None  # prompt matmuls on tensor cores: _tensor_cores() asks once
+    misses_cross_a_bus = True  # an expert cache's miss is read from pinned host memory (experts/cache.py)
 
     def zeros(self, shape, dtype):
         return cuda.to_device(np.zeros(shape, dtype))
@@ -385,6 +387,8 @@ class CudaBackend:
         # Three launches: the router (with the norm), the chosen experts' gate|up with SwiGLU,
         # their down products added to x. The ids stay on the device, so a graph replays them.
         # The router counts the cache's lookups for rows 0 .. last[0] only (after: padding).
+        # A prompt chunk's missed experts are copied once into transit slots between the
+        # router and the experts (fetch_misses.py), not read over the bus once per token.
         # The down kernel reads `ahead` (the next product's weights) into L2, as matvec does.
         n, k, at = x.shape[0], experts.k, experts.at(layer)
         chosen, weights = device_empty((n, k), np.int32), device_empty((n, k), np.float32)
@@ -393,6 +397,8 @@ class CudaBackend:
         x_norm = device_empty(x.shape, np.float32)
         route(x, norm, eps, router.raw, router.qtype, x_norm, chosen, weights, slot_of, experts.res, at,
               experts.lookups, experts.hits, last=last)
+        if n > matvec.MAX_ROWS and experts.n_transit:
+            fetch_misses(chosen, slot_of, experts.res, at, *experts.words, experts.transit)
         expert_gate_up(x_norm, chosen, slot_of, at, experts.slot_gate_up, experts.host_gate_up, experts.qtype, h,
                        ahead=(experts.slot_down, experts.host_down), stage=experts.can_miss)
         expert_down(h, chosen, weights, slot_of, at, experts.slot_down, experts.host_down, experts.qtype, x,

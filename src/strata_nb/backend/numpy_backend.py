@@ -22,6 +22,7 @@ from ..model.dequant import dequantize
 
 class NumpyBackend:
     name = "numpy"
+    misses_cross_a_bus = False  # an expert cache's "host copy" and "slots" are both host arrays here
     prefill_chunk = 256  # prompt tokens per forward pass unless --prefill-chunk says otherwise
     device = "cpu"
 

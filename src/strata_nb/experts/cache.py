@@ -3,7 +3,9 @@
     host copy   every expert of every layer, (L * E, rows, bytes) per matrix: pinned,
                 device-mapped memory on the cuda backend, so a kernel reads a missing
                 expert's rows in place over the bus (kernels/experts/expert_rows.py)
-    slot pool   N slots in VRAM, each one expert's gate|up and down matrices
+    slot pool   N slots in VRAM, each one expert's gate|up and down matrices; where the
+                cache can miss on the cuda backend, E transit slots after them, which a
+                prompt chunk's missed experts are copied into once (never in res)
     res         the residency table, (L * E,) int32 in device memory: expert
                 layer * E + e's slot, or -1; the kernels look each chosen expert up there
     lookups,    (L * E,) int32 in device memory: the router kernel counts each token's
@@ -77,11 +79,17 @@ class ExpertCache:
         gate_up, down, self.qtype = _stacked(model)  # (L * E, 2F, bytes), (L * E, D, bytes) uint8
         self.expert_bytes = gate_up[0].nbytes + down[0].nbytes
         self.host_gate_up, self.host_down = be.expert_host_copy(gate_up, self.qtype), be.expert_host_copy(down, self.qtype)
-        self.slot_gate_up = be.expert_slots(self.n_slots, self.host_gate_up)  # (N, 2F, *)
-        self.slot_down = be.expert_slots(self.n_slots, self.host_down)  # (N, D, *)
-        # what a move copies: each matrix, host copy -> slot, as rows of 4-byte words
-        self._runs = [(as_words(self.host_gate_up), as_words(self.slot_gate_up)),
-                      (as_words(self.host_down), as_words(self.slot_down))] if self.n_slots else []
+        # Where a miss crosses a bus (the cuda backend), a prompt chunk copies each expert it
+        # misses once into one of E transit slots after the N (kernels/experts/fetch_misses.py)
+        self.transit = self.n_slots  # the first transit slot
+        self.n_transit = self.n_expert if be.misses_cross_a_bus and self.n_slots < n else 0
+        self.slot_gate_up = be.expert_slots(self.n_slots + self.n_transit, self.host_gate_up)  # (N + transit, 2F, *)
+        self.slot_down = be.expert_slots(self.n_slots + self.n_transit, self.host_down)  # (N + transit, D, *)
+        # each matrix as rows of 4-byte words, host copy and slot pool: what a move copies
+        # (copy_runs.py) and a prompt chunk's misses are fetched from and into
+        self.words = (as_words(self.host_gate_up), as_words(self.host_down), as_words(self.slot_gate_up),
+                      as_words(self.slot_down)) if self.n_slots + self.n_transit else ()
+        self._runs = [(self.words[0], self.words[2]), (self.words[1], self.words[3])] if self.n_slots else []
         # the moves' (expert, slot) lists, in mapped memory the copy kernel reads in place
         self._moves = be.host_array((2, max(1, self.n_slots)), np.int32)
         self._moves_index = view_bytes(self._moves, np.int32)  # the same memory, as the kernel takes it
@@ -232,4 +240,7 @@ def expert_slots_for(setting, be, model: GGUFModel, reserve_mib: int) -> int:
     g, dn = (model.experts(f"blk.0.ffn_{m}_exps.weight", cfg.n_expert, r, c)[0]
              for m, r, c in (("gate", cfg.d_ff, cfg.d_model), ("down", cfg.d_model, cfg.d_ff)))
     per_expert = 2 * g.raw.nbytes + dn.raw.nbytes
-    return max(0, min(n, (free - reserve_mib * 2**20) // per_expert))
+    fits = (free - reserve_mib * 2**20) // per_expert
+    if fits < n and be.misses_cross_a_bus:  # the cache can miss: E transit slots come out of it
+        fits -= cfg.n_expert
+    return max(0, min(n, fits))
