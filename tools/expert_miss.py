@@ -10,7 +10,9 @@ One layer's expert FFN for one token (T = 1) on the shapes of moefy's copies fil
 the default model (D 576, F 1,536, Q4_1, K = 2 of E = 8: 1.58 MiB an expert), random
 bytes (the time depends on the shapes only). Each case runs `expert_gate_up` then
 `expert_down`, captured into a CUDA graph and replayed (so the time is the GPU's, not the
-host's launch work), timed with CUDA events over many replays. The copy case is the two
+host's launch work), timed with CUDA events over many replays. The "down read ahead" cases
+run expert_gate_up as the engine does, reading the chosen experts' down matrices ahead
+(those in slots: a miss's is not read ahead). The copy case is the two
 experts' copies (cuMemcpyHtoDAsync from the pinned host copy, timed the same way) plus
 the hit case's kernels; the engine's way of copying, the KV movers' copy kernel reading
 the mapped host copy on the compute stream (`copy_experts`), is timed the same way.

@@ -16,7 +16,7 @@ the bus once, into one of E transit slots after the cache's N (experts/cache.py)
 expert kernels read it there as a hit. The transit slots are never in the residency
 table: the next layer's chunk writes them again, and no decode step reads them.
 
-The grid is (E, blocks a expert): each block of expert e first asks whether any token
+The grid is (E, blocks an expert): each block of expert e first asks whether any token
 chose it (every block scans `chosen` itself, from L2, so no block waits for another),
 and whether it is a miss; if so it copies its strided share of the expert's words, loads
 before stores (FETCH_LOADS words in flight a thread, as stage_rows), and the first block
