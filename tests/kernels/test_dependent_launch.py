@@ -132,12 +132,13 @@ def test_the_step_s_kernels_are_marked_and_launch_plain_when_turned_off():
 
 
 @pytest.mark.skipif(not ON_GPU, reason="dependent launches need a GPU (STRATA_NB_GPU=1)")
-@pytest.mark.parametrize("kv", ["fp16", "k8v4"])
-def test_dependent_launches_give_the_bits_of_plain_ones(tmp_path_factory, kv):
+@pytest.mark.parametrize("kv,moe", [("fp16", False), ("k8v4", False), ("fp16", True)])
+def test_dependent_launches_give_the_bits_of_plain_ones(tmp_path_factory, kv, moe):
     """On a GPU, random weights of the default model's shapes (its grids, not a tiny
     model's): prefill, then steps launched one by one and steps replayed from a graph,
     with dependent launches and without: the same logits, bit for bit, and the dependent
-    engine's launches were dependent."""
+    engine's launches were dependent. moe: the same weights split into 8 experts, each
+    token routed to 2 by a random router (the router, then the experts' kernels)."""
     from strata_nb.engine.engine import Engine
     from strata_nb.gpu import fast_launch
     from strata_nb.model.gguf_file import GGUFModel
@@ -145,6 +146,10 @@ def test_dependent_launches_give_the_bits_of_plain_ones(tmp_path_factory, kv):
     from strata_nb.settings import Settings
 
     default_model_path = str(write_default_shapes_gguf(tmp_path_factory.mktemp("shapes") / "shapes.gguf", 512))
+    if moe:
+        from strata_nb.model.moefy import moefy
+        default_model_path = str(moefy(default_model_path, default_model_path.replace(".gguf", "-moe.gguf"), "split", 8,
+                                       used=2, router="random", seed=1))
 
     prompt = [1, 504, 3458, 282, 1029, 30, 216, 12, 9224] * 5
 

@@ -83,6 +83,19 @@ def test_cuda_experts_match_numpy(copies, cuda_resident):
     assert (cuda_resident.argmax(1) == want.argmax(1)).all()
 
 
+def test_a_step_routes_distinct_experts_as_numpy_does(dense):
+    """Split into 2 distinct experts, each token routed to 1 by a random router: a wrong
+    choice in a step gives other logits than numpy's (the copies file cannot show one:
+    every expert is the same FFN). Both experts are chosen."""
+    split = str(moefy(dense, dense.parent / "split_k1.gguf", "split", 2, used=1, router="random", seed=3))
+    want, _ = logits_of(split, "cpu", "auto")
+    got, eng = logits_of(split, "cuda", "auto")
+    assert (np.abs(got - want) <= LOGIT_ATOL * np.abs(want).max(axis=1, keepdims=True)).all()
+    assert (got.argmax(1) == want.argmax(1)).all()
+    lookups = eng.be.to_numpy(eng.weights.experts.lookups)
+    assert (lookups > 0).all(), lookups
+
+
 def test_one_slot_gives_the_all_resident_logits_bit_for_bit(copies, cuda_resident):
     got, eng = logits_of(copies, "cuda", 1)
     np.testing.assert_array_equal(got, cuda_resident)
