@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 from conftest import ON_GPU
-from strata_nb.gpu.geometry import EXPERT_WARPS
 from kernels.test_dense_kernels import assert_within, quantized
 from strata_nb.kernels.experts.expert_down import down_tolerance, expert_down, expert_down_ref
 from strata_nb.kernels.experts.expert_gate_up import expert_gate_up, expert_gate_up_ref, gate_up_tolerance
@@ -185,13 +184,38 @@ def dq(stack, qtype):
 
 
 @pytest.mark.parametrize("qtype,n_slots", [("Q4_1", 2), ("Q4_0", 0), ("Q8_0", 2)])
-def test_expert_gate_up_matches_the_reference(qtype, n_slots):
+@pytest.mark.parametrize("plain", [False, True], ids=["fast", "plain"])
+def test_expert_gate_up_matches_the_reference(qtype, n_slots, plain):
     host_gu, _, slots_gu, _, res, chosen, _, x_norm = experts_case(qtype, n_slots)
     want = np.zeros((T, K, F), np.float32)
     f_host, f_slots = dq(host_gu, qtype), dq(slots_gu, qtype).reshape(n_slots, 2 * F, D)
     expert_gate_up_ref(x_norm, chosen, res, AT, f_slots, f_host, want)
     got = np.zeros((T, K, F), np.float32)
-    expert_gate_up(x_norm, chosen, res[AT + chosen], AT, slots_gu, host_gu, qtype, got)
+    expert_gate_up(x_norm, chosen, res[AT + chosen], AT, slots_gu, host_gu, qtype, got, plain=plain)
+    assert_within(got, want, gate_up_tolerance(x_norm, chosen, lambda e: f_host[AT + e]))
+
+
+@pytest.mark.parametrize("warps,stage", [(1, False), (2, False), (2, True)])
+def test_the_fast_gate_up_kernel_walks_its_parts_across_trips(warps, stage):
+    """D = 576 (72 parts: one warp takes three trips, two warps two) and F = 5 (the last
+    thread block has one of its two pairs), some experts missed (staged, or read in place):
+    within the reference's tolerance, and the plain kernel's result within it too."""
+    d, f = 576, 5
+    rng = np.random.default_rng(9)
+    host_gu = stacked(rng, "Q4_1", LAYERS * E, (2 * f, d))
+    res = table(rng, 2)
+    slots_gu = np.zeros((2, 2 * f, host_gu.shape[2]), np.uint8)
+    for e in range(E):
+        if res[AT + e] >= 0:
+            slots_gu[res[AT + e]] = host_gu[AT + e]
+    chosen = np.array([[0, 3], [4, 0]], np.int32)
+    assert (res[AT + chosen] < 0).any() and (res[AT + chosen] >= 0).any()
+    x_norm = rng.standard_normal((2, d)).astype(np.float32)
+    f_host = dq(host_gu, "Q4_1")
+    want = np.zeros((2, K, f), np.float32)
+    expert_gate_up_ref(x_norm, chosen, res, AT, dq(slots_gu, "Q4_1").reshape(2, 2 * f, d), f_host, want)
+    got = np.full((2, K, f), np.nan, np.float32)
+    expert_gate_up(x_norm, chosen, res[AT + chosen], AT, slots_gu, host_gu, "Q4_1", got, warps=warps, stage=stage)
     assert_within(got, want, gate_up_tolerance(x_norm, chosen, lambda e: f_host[AT + e]))
 
 
@@ -200,7 +224,8 @@ def test_gate_up_reads_the_chosen_experts_down_matrices_ahead():
     is the XOR of each hit's. A miss's is not read ahead (it would cross the bus twice)."""
     host_gu, host_down, slots_gu, slots_down, res, chosen, _, x_norm = experts_case("Q4_1", 2)
     h = np.zeros((T, K, F), np.float32)
-    ahead_out = np.zeros(-(-F // EXPERT_WARPS) * T * K * EXPERT_WARPS * 32, np.uint32)  # a slot per thread
+    warps = gate_up_module.gate_up_warps(D)
+    ahead_out = np.zeros(-(-F // gate_up_module.PAIRS) * T * K * warps * 32, np.uint32)  # a slot per thread
     expert_gate_up(x_norm, chosen, res[AT + chosen], AT, slots_gu, host_gu, "Q4_1", h, ahead=(slots_down, host_down),
                    ahead_out=ahead_out)
     want = np.uint32(0)

@@ -53,6 +53,7 @@ RMSNORM_THREADS = on_gpu(128, simulator=32)  # threads per row
 # ---- experts: kernels/experts/ ---------------------------------------------------------
 ROUTE_THREADS = on_gpu(256, simulator=64)  # threads of a token's router block: a warp per expert at a time
 EXPERT_WARPS = on_gpu(4, simulator=1)  # rows of an expert matrix per thread block, a warp each
+EXPERT_GATE_UP_WARPS = on_gpu(8, simulator=1)  # the fast expert_gate_up's warps a block, at most
 EXPERT_DOWN_WARPS = on_gpu(8, simulator=1)  # the fast expert_down's warps a block, at most
 FETCH_BLOCKS = on_gpu(32, simulator=2)  # thread blocks copying one missed expert of a prompt chunk
 FETCH_THREADS = on_gpu(256, simulator=32)

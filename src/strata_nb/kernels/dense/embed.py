@@ -63,7 +63,7 @@ def make_embed_kernel(part, nibbles):
             i, q = lane // n_parts, lane % n_parts
             blk, p = q // PARTS, q % PARTS
             w = cuda.local.array(PART, float32)
-            part(a[ids[i]], b[ids[i]], blk, p, w)
+            part(a, b, ids[i], blk, p, w)
             lo, hi = part_runs(nibbles, p)
             for j in range(4):
                 out[i, blk * QK + lo + j] = w[j]

@@ -157,7 +157,7 @@ def make_matmul_kernel1(part, nibbles):
 
         for blk in range(n_blocks):
             if o0 + row < n_out:
-                part(a[o0 + row], b[o0 + row], blk, p, w)
+                part(a, b, o0 + row, blk, p, w)
             else:
                 for j in range(PART):
                     w[j] = float32(0.0)
@@ -253,7 +253,7 @@ def make_tile_loader(part, nibbles, threads, w_rows, x_rows):
         for u in range(W_PASSES):
             row = o0 + t // PARTS + W_STEP * u
             if row < n_out:
-                part(a[row], b[row], blk, p, w)
+                part(a, b, row, blk, p, w)
             else:
                 for j in range(PART):
                     w[j] = float32(0.0)

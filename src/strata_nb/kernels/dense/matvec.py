@@ -164,7 +164,7 @@ def make_matvec_kernel1(part, nibbles):
         # blocks side by side, so its loads fall on one contiguous run of the row.
         for q in range(lane, n_in // PART, WARP):
             blk, p = q // PARTS, q % PARTS
-            part(a[o], b[o], blk, p, w)
+            part(a, b, o, blk, p, w)
             lo, hi = part_runs(nibbles, p)  # the columns of w[0:4] and w[4:8] in the block
             lo, hi = blk * QK + lo, blk * QK + hi
             for r in range(x.shape[0]):

@@ -301,7 +301,7 @@ def make_matvec_kernel(part, nibbles, fetch_x, make_x, store_y, normed, x_rows, 
                         xa[r, 4 + j], xb[r, 4 + j] = fetch_x(x, norm, rx, hi + j, n_in)
                 for k in range(rows):
                     row = min(o0 + k, n_out - 1)
-                    part(a[row], b[row], blk, p, w[k])  # the weights are read here, and only here
+                    part(a, b, row, blk, p, w[k])  # the weights are read here, and only here
                 for r in range(x_rows):
                     # --8<-- [start:norm_squares]
                     if normed and first_trip:  # x's values, the first of what fetch_normed loads

@@ -37,7 +37,7 @@ def make_expert_part(part):
         in_slot = slot >= 0
         a, b = (slot_a, slot_b) if in_slot else (host_a, host_b)
         i = slot if in_slot else index
-        part(a[i, row], b[i, row], blk, p, w)
+        part(a[i], b[i], row, blk, p, w)
 
     return expert_part
 # --8<-- [end:expert_part]

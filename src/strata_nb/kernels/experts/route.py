@@ -160,7 +160,7 @@ def make_route_kernel1(part, nibbles):
             for i in range(PRELOAD):
                 q = lane + i * WARP
                 if q < n_parts:
-                    part(ra[warp], rb[warp], q // PARTS, q % PARTS, w[i])
+                    part(ra, rb, warp, q // PARTS, q % PARTS, w[i])
         # 2. The norm, as rmsnorm_kernel: each thread a strided share of the row. The normed
         # row is kept in shared memory too: the logits read it from there, not back from
         # global memory (each read of global memory is a round trip this one block waits for).
@@ -186,7 +186,7 @@ def make_route_kernel1(part, nibbles):
                 for q in range(lane, n_parts, WARP):
                     i = q // WARP
                     if first > 0 or i >= PRELOAD:
-                        part(ra[e], rb[e], q // PARTS, q % PARTS, w[i % PRELOAD])
+                        part(ra, rb, e, q // PARTS, q % PARTS, w[i % PRELOAD])
                     lo, hi = part_runs(nibbles, q % PARTS)
                     lo, hi = (q // PARTS) * QK + lo, (q // PARTS) * QK + hi
                     for j in range(4):
@@ -319,9 +319,9 @@ def make_route_kernel(part, nibbles):
                 x_part(x, norm, t, q1, x1, n1)
                 x_part(x, norm, t, q2, x2, n2)
                 if e < n_expert:
-                    part(ra[e], rb[e], q0 // PARTS, q0 % PARTS, w0)
-                    part(ra[e], rb[e], q1 // PARTS, q1 % PARTS, w1)
-                    part(ra[e], rb[e], q2 // PARTS, q2 % PARTS, w2)
+                    part(ra, rb, e, q0 // PARTS, q0 % PARTS, w0)
+                    part(ra, rb, e, q1 // PARTS, q1 % PARTS, w1)
+                    part(ra, rb, e, q2 // PARTS, q2 % PARTS, w2)
                 acc, squares = logit_terms(x0, n0, w0, e < n_expert, first == 0, acc, squares)
                 if q0 + WARP < n_parts:
                     acc, squares = logit_terms(x1, n1, w1, e < n_expert, first == 0, acc, squares)
