@@ -71,6 +71,10 @@ def test_dependent_order_reads_the_ptx():
     assert "before it waits" in dependent_order(GOOD.replace("\tgriddepcontrol.wait;\n", "").replace(
         "\tgriddepcontrol.launch_dependents;", "\tgriddepcontrol.launch_dependents;\n\tgriddepcontrol.wait;"))
     assert dependent_order(GOOD.replace("\tgriddepcontrol.wait;\n", "")) == "its PTX has no griddepcontrol.wait"
+    # a kernel that reads early (expert_down) may load before it waits, never store
+    assert dependent_order(early_load, reads_early=True) == ""
+    assert "st.u32" in dependent_order(generic, reads_early=True)
+    assert "atom.global.add.u32" in dependent_order(atomic, reads_early=True)
 
 
 # Compiled in a process without the simulator: the instructions exist on sm_90 only, and

@@ -34,6 +34,16 @@ whose last block writes the list) is not marked at all: it starts when block_sco
 ended, and the step attention starts when it has. Either way, early, measured slower
 (docs/gpu/fast.md, "Kernels that end in one thread block").
 
+Reading before the wait. When a dependent kernel's blocks start, the kernel before it has
+passed its own wait, so every kernel before *that* one has finished and its writes are
+visible. A kernel may therefore read, before it waits, what only those earlier kernels
+write, and what no kernel of the step writes at all (the weights): only the outputs of
+the kernel just before it need the wait. expert_down (kernels/experts/expert_down.py) is
+the one kernel marked so (`waits_for_inputs(kernel, reads_early=True)`): it loads the
+router's choice, its weights and the first of its weight rows while expert_gate_up still
+runs, and waits only before it reads expert_gate_up's h. It stores nothing before the
+wait, as the PTX check (gpu/sm90.py: dependent_order) holds it to.
+
 Which launches are dependent: a kernel marked with `waits_for_inputs(kernel)` (its
 factory marks it; its code keeps the rule), launched through the fast path
 (gpu/fast_launch.py) while `enabled()`, on a device of compute capability 9.0 or more. A
@@ -72,10 +82,13 @@ def dependent_launches(on: bool):
         _ON = before
 
 
-def waits_for_inputs(kernel):
+def waits_for_inputs(kernel, reads_early: bool = False):
     """Mark a @cuda.jit kernel whose code calls wait_for_inputs() before it reads or writes
-    memory another kernel touches: the fast path may launch it as dependent."""
+    memory another kernel touches: the fast path may launch it as dependent. reads_early:
+    it reads, before it waits, memory that only kernels before the one before it write
+    ("Reading before the wait"), and writes nothing before it waits."""
     kernel._strata_waits = True
+    kernel._strata_reads_early = reads_early
     return kernel
 
 

@@ -203,12 +203,14 @@ _MEMORY_OP = re.compile(r"^\s*(?:@!?%p\d+\s+)?(ld|st|atom|red|prefetch|prefetchu
 _OWN_SPACES = {"param", "shared", "local", "const"}  # the kernel's own: no other kernel writes them
 
 
-def dependent_order(ptx: str) -> str:
+def dependent_order(ptx: str, reads_early: bool = False) -> str:
     """'' when a dependent kernel's PTX waits before it touches memory another kernel may
     write (gpu/dependent_launch.py): griddepcontrol.wait before the first load, store or
     atomic of global or generic memory, and launch_dependents, if any, after the wait.
-    Else what is wrong. The check reads the PTX in order; it holds for kernels whose wait
-    is their first statement, as the rule asks, where no branch comes before it."""
+    reads_early: loads may come first ("Reading before the wait"), stores and atomics not.
+    Else what is wrong. The check reads the PTX in order up to the first wait; it holds for
+    kernels whose wait is their first statement, as the rule asks, where no branch comes
+    before it (a kernel that reads early may wait in two branches: the first is checked)."""
     wait = ptx.find("griddepcontrol.wait")
     if wait < 0:
         return "its PTX has no griddepcontrol.wait"
@@ -217,6 +219,8 @@ def dependent_order(ptx: str) -> str:
         return "it lets the next kernel start before it waits"
     for m in _MEMORY_OP.finditer(ptx, 0, wait):
         spaces = set(m.group(2).split(".")[1:])
+        if reads_early and m.group(1) in ("ld", "prefetch", "prefetchu"):
+            continue
         if not spaces & _OWN_SPACES:
             return f"it touches memory before it waits: {m.group(0).strip()}"
     return ""
@@ -287,8 +291,9 @@ _CHILD = textwrap.dedent('''
             except Exception as err:
                 failures.append(f"{module}.{qualname}{sig}: {type(err).__name__}: {str(err)[:300]}")
                 continue
-            if getattr(kernel, "_strata_waits", False) and dependent_order(ptx):  # gpu/dependent_launch.py
-                failures.append(f"{module}.{qualname}{sig}: marked waits_for_inputs, but {dependent_order(ptx)}")
+            wrong = dependent_order(ptx, getattr(kernel, "_strata_reads_early", False))
+            if getattr(kernel, "_strata_waits", False) and wrong:  # gpu/dependent_launch.py
+                failures.append(f"{module}.{qualname}{sig}: marked waits_for_inputs, but {wrong}")
             if binary:
                 rows.append(dict(kernel=qualname.split(".")[-1], module=module, made_from=made_from, sig=sig,
                                  late_start=lets_next_start_late(ptx), waits="griddepcontrol.wait" in ptx,

@@ -40,10 +40,11 @@ from strata_nb.gpu.dependent_launch import let_next_start, wait_for_inputs, wait
 from strata_nb.gpu.geometry import EXPERT_DOWN_WARPS, EXPERT_WARPS
 from strata_nb.gpu.launch import DeviceArgs, expect, inline_device, stream
 from strata_nb.gpu.reduce import WARP, warp_sum
-from strata_nb.kernels.dense.gguf_rows import PART, PARTS, QK, QTYPES, part_runs
+from strata_nb.kernels.dense.gguf_rows import CODES, PART, PARTS, QK, QTYPES, STEPS, part_runs
 from strata_nb.kernels.dense.matvec import ahead_arrays, dot_tolerance, product_ref
 from strata_nb.kernels.dense.matvec_fused import AHEAD, ROWS, SECTOR, SUM_WARPS
-from strata_nb.kernels.experts.expert_rows import MAX_USED, expert_views, make_expert_part, stage_rows, stage_words
+from strata_nb.kernels.experts.expert_rows import (MAX_USED, expert_views, make_expert_fetch, make_expert_part, make_rows_dot,
+                                                  stage_rows, stage_words)
 
 
 # --8<-- [start:expert_down_ref]
@@ -145,17 +146,29 @@ STAGE_ROW_WORDS = 256  # words of a staged down row (1 KiB: F up to 1,638 in Q4_
 
 
 # --8<-- [start:expert_down_kernel]
-def make_expert_down_kernel(part, nibbles, view_a, view_b, rows, stages):
+def make_expert_down_kernel(fetch, decode, nibbles, view_a, view_b, rows, stages):
     """The fast kernel: `rows` outputs a thread block, their K F terms split between its
     threads (thread i: terms i, i + threads, ... of every row). `stages`: it stages a
     miss's rows (a cache that can miss), else it has no staging code at all."""
-    expert_part = make_expert_part(part)
+    expert_fetch = make_expert_fetch(fetch)
+    rows_dot = make_rows_dot(decode, rows)
 
     @inline_device
-    def down_sums(a1, b1, a2, b2, staged, slot, index, scale, h, t, o0, d, k, f, acc):
-        """This thread's terms of the block's `rows` outputs, added to acc: rows o0 .. of
-        each chosen expert r, read through expert_part from (a1, b1)[slot[r]], or (a2,
-        b2)[index[r]] on a miss; staged: from the staged rows, (a1, b1)[r, j] for row o0 + j."""
+    def fetch_term(a1, b1, a2, b2, staged, slot, index, r, qe, o0, d, f_raw, c_raw):
+        """Part qe of rows o0 .. of chosen expert r, fetched (gguf_rows.py: fetch) into
+        f_raw, c_raw: from (a1, b1)[slot[r]], or (a2, b2)[index[r]] on a miss; staged: from
+        the staged rows, (a1, b1)[r, j] for row o0 + j. A row past the last output fetches
+        the last again; its sums are never stored."""
+        blk, p = qe // PARTS, qe % PARTS
+        s_r, i_r = (r if staged else slot[r]), (r if staged else index[r])
+        for j in range(rows):
+            row = min(j, d - 1 - o0) if staged else min(o0 + j, d - 1)
+            expert_fetch(a1, b1, a2, b2, s_r, i_r, row, blk, p, f_raw, c_raw, j)
+
+    @inline_device
+    def down_sums(a1, b1, a2, b2, staged, slot, index, scale, h, t, o0, d, k, f, acc, f_raw, c_raw):
+        """This thread's terms of the block's `rows` outputs, added to acc, its first term's
+        rows already fetched into f_raw, c_raw (fetch_term, before the kernel waits)."""
         i, n_threads = cuda.threadIdx.x, cuda.blockDim.x
         w = cuda.local.array((rows, PART), float32)  # one part of each of the block's rows
         xs = cuda.local.array(PART, float32)  # the weighted h values that part multiplies
@@ -166,30 +179,22 @@ def make_expert_down_kernel(part, nibbles, view_a, view_b, rows, stages):
         r = i // parts
         qe = i - r * parts
         while r < k:
-            # A term's loads, h's values and every row's weights, with no branch between them
-            # (a load after a branch waits for the work before it): a row past the last
-            # output reads the last again, and its sums are never stored
             blk, p = qe // PARTS, qe % PARTS
             lo, hi = part_runs(nibbles, p)
             lo, hi = blk * QK + lo, blk * QK + hi
-            s_r, i_r, c_r = (r if staged else slot[r]), (r if staged else index[r]), scale[r]
+            c_r = scale[r]
             for v in range(4):  # 8 values of the expert's h row, each used for `rows` weights
                 xs[v] = h[t, r, lo + v]
                 xs[4 + v] = h[t, r, hi + v]
-            for j in range(rows):
-                row = min(j, d - 1 - o0) if staged else min(o0 + j, d - 1)
-                expert_part(a1, b1, a2, b2, s_r, i_r, row, blk, p, w[j])
             for v in range(PART):  # weighted by the expert's share
                 xs[v] = c_r * xs[v]
-            for j in range(rows):
-                total = acc[j]
-                for v in range(PART):
-                    total += w[j, v] * xs[v]
-                acc[j] = total
+            rows_dot(f_raw, c_raw, w, xs, acc)
             qe += n_threads
             while qe >= parts and r < k:
                 qe -= parts
                 r += 1
+            if r < k:  # the next term's rows, fetched with its h values before either is used
+                fetch_term(a1, b1, a2, b2, staged, slot, index, r, qe, o0, d, f_raw, c_raw)
 
     @cuda.jit(cache=True)
     def expert_down_kernel(h, chosen, weights, slot_of, at, slot_a, slot_b, host_a, host_b, x,  # as the plain kernel's
@@ -197,8 +202,10 @@ def make_expert_down_kernel(part, nibbles, view_a, view_b, rows, stages):
                            ahead_out,   # (threads of the grid,) uint32: what each thread read ahead, or (0,)
                            slot_words, host_words,  # (N | L * E, D * row_words) uint32: the slot pool, the host copy
                            row_words):  # int32: words a row; 0 = a miss is read in place
-        wait_for_inputs()
-        let_next_start()  # a dependent launch: gpu/dependent_launch.py
+        # A dependent launch that reads before it waits (gpu/dependent_launch.py, "Reading
+        # before the wait"): the router's choice and the experts' weights were written before
+        # the kernel before this one started, so all of this kernel's loads but h's go out
+        # while expert_gate_up still runs. It writes nothing before it waits.
         i, n_threads = cuda.threadIdx.x, cuda.blockDim.x
         lane, warp = i % WARP, i // WARP
         o0, t = cuda.blockIdx.x * rows, cuda.blockIdx.y  # outputs o0 .. o0 + rows - 1 of token t
@@ -223,6 +230,8 @@ def make_expert_down_kernel(part, nibbles, view_a, view_b, rows, stages):
         cuda.syncthreads()
         acc = cuda.local.array(rows, float32)  # this thread's partial sums
         per_warp = cuda.shared.array((SUM_WARPS, rows), float32)  # each warp's sums
+        f_raw = cuda.local.array((rows, PART), float32)  # a term's rows as fetched: scales or values
+        c_raw = cuda.local.array((rows, CODES), uint32)  # and codes
         for j in range(rows):
             acc[j] = float32(0.0)
         # If any chosen expert is a miss (the same for the whole block), the block stages its
@@ -233,15 +242,24 @@ def make_expert_down_kernel(part, nibbles, view_a, view_b, rows, stages):
             for v in range(k):
                 staged = staged or slot[v] < 0
         stage = cuda.shared.array((MAX_USED, rows, STAGE_ROW_WORDS), uint32)  # (expert, row, words)
+        parts = f // PART
+        r0 = min(i // parts, k - 1)  # this thread's first term (past the last: the last part, never summed)
+        q0 = min(i - r0 * parts, parts - 1)
         if staged:
             for v in range(k):
                 words, entry = (slot_words, slot[v]) if slot[v] >= 0 else (host_words, index[v])
                 stage_rows(words, entry, o0, min(rows, d - o0), row_words, stage, v, 0)
             cuda.syncthreads()  # staged is the same for the whole block: a hit's blocks wait for nothing
             sa, sb = stage.view(view_a), stage.view(view_b)
-            down_sums(sa, sb, sa, sb, True, slot, index, scale, h, t, o0, d, k, f, acc)
+            fetch_term(sa, sb, sa, sb, True, slot, index, r0, q0, o0, d, f_raw, c_raw)
+            wait_for_inputs()  # for h
+            let_next_start()  # a dependent launch: gpu/dependent_launch.py
+            down_sums(sa, sb, sa, sb, True, slot, index, scale, h, t, o0, d, k, f, acc, f_raw, c_raw)
         else:
-            down_sums(slot_a, slot_b, host_a, host_b, False, slot, index, scale, h, t, o0, d, k, f, acc)
+            fetch_term(slot_a, slot_b, host_a, host_b, False, slot, index, r0, q0, o0, d, f_raw, c_raw)
+            wait_for_inputs()  # for h
+            let_next_start()
+            down_sums(slot_a, slot_b, host_a, host_b, False, slot, index, scale, h, t, o0, d, k, f, acc, f_raw, c_raw)
         # The threads' sums: within each warp by shuffles, then the warps' in warp order
         for j in range(rows):
             total = warp_sum(acc[j])  # every warp calls it: a barrier under the simulator
@@ -259,12 +277,12 @@ def make_expert_down_kernel(part, nibbles, view_a, view_b, rows, stages):
         if t == 0 and ahead_out.size > 0:
             ahead_out[g] = read
 
-    return waits_for_inputs(expert_down_kernel)
+    return waits_for_inputs(expert_down_kernel, reads_early=True)
 
 
 EXPERT_DOWN_KERNELS1 = {qtype: make_expert_down_kernel1(part, nibbles) for qtype, (part, _, _, nibbles) in QTYPES.items()}
-EXPERT_DOWN_KERNELS = {(qtype, stages): make_expert_down_kernel(part, nibbles, view_a, view_b, ROWS, stages)
-                       for qtype, (part, view_a, view_b, nibbles) in QTYPES.items() for stages in (False, True)}
+EXPERT_DOWN_KERNELS = {(qtype, stages): make_expert_down_kernel(*STEPS[qtype], nibbles, view_a, view_b, ROWS, stages)
+                       for qtype, (_, view_a, view_b, nibbles) in QTYPES.items() for stages in (False, True)}
 # --8<-- [end:expert_down_kernel]
 
 

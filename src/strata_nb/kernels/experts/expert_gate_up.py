@@ -48,7 +48,7 @@ from strata_nb.kernels.dense.gguf_rows import CODES, PART, PARTS, QK, QTYPES, ST
 from strata_nb.kernels.dense.matvec import dot_tolerance, product_ref
 from strata_nb.kernels.dense.matvec_fused import AHEAD, MAX_ROWS, ROWS, SECTOR, SUM_WARPS
 from strata_nb.kernels.dense.swiglu import swiglu_ref
-from strata_nb.kernels.experts.expert_rows import expert_views, make_expert_part, stage_rows, stage_words
+from strata_nb.kernels.experts.expert_rows import expert_views, make_expert_part, make_rows_dot, stage_rows, stage_words
 
 
 # --8<-- [start:expert_gate_up_ref]
@@ -137,6 +137,7 @@ def make_expert_gate_up_kernel(fetch, decode, nibbles, view_a, view_b, pairs, st
     rows (a cache that can miss), else it has no staging code at all (every expert
     resident)."""
     n_rows = 2 * pairs  # a compile-time constant, so the per-thread arrays stay in registers
+    rows_dot = make_rows_dot(decode, n_rows)
 
     @inline_device
     def gate_up_sums(a, b, e, first_g, first_u, last, x_norm, t, d, acc):
@@ -163,13 +164,7 @@ def make_expert_gate_up_kernel(fetch, decode, nibbles, view_a, view_b, pairs, st
                 g, u = first_g + min(j, last), first_u + min(j, last)
                 fetch(a_e, b_e, g, blk, p, f_raw, c_raw, j)
                 fetch(a_e, b_e, u, blk, p, f_raw, c_raw, pairs + j)
-            for j in range(n_rows):
-                decode(f_raw, c_raw, j, w[j])
-            for j in range(n_rows):
-                total = acc[j]
-                for v in range(PART):
-                    total += w[j, v] * xs[v]
-                acc[j] = total
+            rows_dot(f_raw, c_raw, w, xs, acc)
             q += n_threads
 
     @cuda.jit(cache=True)

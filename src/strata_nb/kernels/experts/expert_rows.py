@@ -15,8 +15,8 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda, int32, uint32
 
-from strata_nb.gpu.launch import absent, expect, view_bytes
-from strata_nb.kernels.dense.gguf_rows import QTYPES, row_bytes
+from strata_nb.gpu.launch import absent, expect, inline_device, view_bytes
+from strata_nb.kernels.dense.gguf_rows import PART, QTYPES, row_bytes
 
 MAX_USED = 8  # K: the experts a token takes, at most
 STAGE_LOADS = 8  # words a thread loads before it stores any, staging rows
@@ -40,6 +40,38 @@ def make_expert_part(part):
         part(a[i], b[i], row, blk, p, w)
 
     return expert_part
+
+
+def make_expert_fetch(fetch):
+    """expert_part's first step alone (gguf_rows.py: fetch): the part's bytes into row j of
+    f and c, for a kernel that fetches several rows before it decodes any."""
+
+    @cuda.jit(device=True)
+    def expert_fetch(slot_a, slot_b, host_a, host_b, slot, index, row, blk, p, f, c, j):
+        in_slot = slot >= 0
+        a, b = (slot_a, slot_b) if in_slot else (host_a, host_b)
+        i = slot if in_slot else index
+        fetch(a[i], b[i], row, blk, p, f, c, j)
+
+    return expert_fetch
+
+
+def make_rows_dot(decode, n_rows):
+    """rows_dot(f, c, w, xs, acc): n_rows fetched parts (rows 0 .. n_rows - 1 of f and c)
+    decoded into w, then each one's dot with the 8 values xs added to acc[j]: the
+    arithmetic of a trip that fetched every row's bytes first."""
+
+    @inline_device
+    def rows_dot(f, c, w, xs, acc):
+        for j in range(n_rows):
+            decode(f, c, j, w[j])
+        for j in range(n_rows):
+            total = acc[j]
+            for v in range(PART):
+                total += w[j, v] * xs[v]
+            acc[j] = total
+
+    return rows_dot
 # --8<-- [end:expert_part]
 
 
