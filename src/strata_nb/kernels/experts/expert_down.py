@@ -256,10 +256,12 @@ def make_expert_down_kernel(fetch, decode, nibbles, view_a, view_b, rows, stages
             let_next_start()  # a dependent launch: gpu/dependent_launch.py
             down_sums(sa, sb, sa, sb, True, slot, index, scale, h, t, o0, d, k, f, acc, f_raw, c_raw)
         else:
+            # --8<-- [start:down_reads_early]
             fetch_term(slot_a, slot_b, host_a, host_b, False, slot, index, r0, q0, o0, d, f_raw, c_raw)
-            wait_for_inputs()  # for h
+            wait_for_inputs()  # for h: expert_gate_up's output
             let_next_start()
             down_sums(slot_a, slot_b, host_a, host_b, False, slot, index, scale, h, t, o0, d, k, f, acc, f_raw, c_raw)
+            # --8<-- [end:down_reads_early]
         # The threads' sums: within each warp by shuffles, then the warps' in warp order
         for j in range(rows):
             total = warp_sum(acc[j])  # every warp calls it: a barrier under the simulator
