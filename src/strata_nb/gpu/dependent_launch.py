@@ -21,9 +21,10 @@ Two instructions make it (PTX `griddepcontrol`, compute capability 9.0 and up):
 The rule every dependent kernel here keeps: it calls `wait_for_inputs()` first, and
 `let_next_start()` only after it. So when the next kernel's blocks start, every kernel
 before this one has finished and this one is running; that next kernel waits for it at
-its own first instruction. Nothing is read early, nothing is written early, and the
-results are the same bits as with plain launches. Most kernels let the next one start
-at once. The step attention lets it start only when a split has written its record:
+its own first instruction. Nothing is written early, nothing is read early but what
+"Reading before the wait" (below) allows, and the results are the same bits as with
+plain launches. Most kernels let the next one start at once. The step attention lets it
+start only when a split has written its record:
 its blocks fill the GPU, and a next kernel launched at their start would have its blocks
 placed among them, waiting, which measured slower.
 
@@ -40,8 +41,8 @@ visible. A kernel may therefore read, before it waits, what only those earlier k
 write, and what no kernel of the step writes at all (the weights): only the outputs of
 the kernel just before it need the wait. expert_down (kernels/experts/expert_down.py) is
 the one kernel marked so (`waits_for_inputs(kernel, reads_early=True)`): it loads the
-router's choice, its weights and the first of its weight rows while expert_gate_up still
-runs, and waits only before it reads expert_gate_up's h. It stores nothing before the
+router's choice (the experts, their slots and weights) and the first of its down-matrix
+rows while expert_gate_up still runs, and waits only before it reads expert_gate_up's h. It stores nothing before the
 wait, as the PTX check (gpu/sm90.py: dependent_order) holds it to.
 
 Which launches are dependent: a kernel marked with `waits_for_inputs(kernel)` (its

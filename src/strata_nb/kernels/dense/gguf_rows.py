@@ -10,9 +10,11 @@ lanes (PARTS) cover one block and a warp's loads fall on one contiguous run of t
 
 The dequantizers are small device functions with one signature, `part(a, b, row, blk, p,
 w)`: a and b are two views of a matrix's weight rows (see QTYPES), row the row, blk the
-32-value block, p the part (0..3), and w the part's 8 values, written. Dequantization is exact in float32 (a 4- or
-8-bit code times an fp16 scale fits in 24 bits; Q4_1's `+ m` rounds once, fused or not),
-so a kernel and its reference (model/dequant.py's `dequantize`) multiply the same weights.
+32-value block, p the part (0..3), and w the part's 8 values, written. Each is its two
+steps, `fetch_*` (the loads) and `decode_*` (the arithmetic), which a kernel that reads
+several rows in one trip calls apart. Dequantization is exact in float32 (a 4- or 8-bit
+code times an fp16 scale fits in 24 bits; Q4_1's `+ m` rounds once, fused or not), so a
+kernel and its reference (model/dequant.py's `dequantize`) multiply the same weights.
 """
 from __future__ import annotations
 
