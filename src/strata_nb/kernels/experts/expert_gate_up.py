@@ -158,7 +158,7 @@ def make_expert_gate_up_kernel(fetch, decode, nibbles, view_a, view_b, pairs, st
             blk, p = q // PARTS, q % PARTS
             lo, hi = part_runs(nibbles, p)
             lo, hi = blk * QK + lo, blk * QK + hi
-            for v in range(4):  # 8 values of x, each used for 2 pairs weights
+            for v in range(4):  # 8 values of x, each used for all the block's rows
                 xs[v], xs[4 + v] = x_norm[t, lo + v], x_norm[t, hi + v]
             for j in range(pairs):  # every row's bytes first, then the arithmetic (gguf_rows.py: fetch)
                 g, u = first_g + min(j, last), first_u + min(j, last)
