@@ -67,22 +67,23 @@ def main():
 
         def first_kernels():
             route(x, norm, 1e-5, router, "F32", x_norm, chosen, weights, slot_of, res, 0, *counts, plain=True)
-            gate_up_mod.expert_gate_up(x_norm, chosen, slot_of, 0, gu, gu, QTYPE, h)
+            gate_up_mod.expert_gate_up(x_norm, chosen, slot_of, 0, gu, gu, QTYPE, h, plain=True)
             down_mod.expert_down(h, chosen, weights, slot_of, 0, dn, dn, QTYPE, x, plain=True)
 
         def route_only(plain_kernel=False):
             route(x, norm, 1e-5, router, "F32", x_norm, chosen, weights, slot_of, res, 0, *counts, plain=plain_kernel)
 
-        def gate_up_only():
-            gate_up_mod.expert_gate_up(x_norm, chosen, slot_of, 0, gu, gu, QTYPE, h)
+        def gate_up_only(plain_kernel=False):
+            gate_up_mod.expert_gate_up(x_norm, chosen, slot_of, 0, gu, gu, QTYPE, h, plain=plain_kernel)
 
         def down_only(plain_kernel=False):
             down_mod.expert_down(h, chosen, weights, slot_of, 0, dn, dn, QTYPE, x, plain=plain_kernel)
 
         tag = f"{name} E{e} K{k} F{f}"
-        print(f"{tag}: route, gate|up, down  {replayed(plain):7.1f} us (plain route and down: "
+        print(f"{tag}: route, gate|up, down  {replayed(plain):7.1f} us (the plain kernels: "
               f"{replayed(first_kernels):.1f})   alone: route {replayed(route_only):.1f} "
-              f"(plain {replayed(lambda: route_only(True)):.1f}), gate|up {replayed(gate_up_only):.1f}, "
+              f"(plain {replayed(lambda: route_only(True)):.1f}), gate|up {replayed(gate_up_only):.1f} "
+              f"(plain {replayed(lambda: gate_up_only(True)):.1f}), "
               f"down {replayed(down_only):.1f} (plain {replayed(lambda: down_only(True)):.1f})", flush=True)
     return 0
 
