@@ -42,8 +42,9 @@ write, and what no kernel of the step writes at all (the weights): only the outp
 the kernel just before it need the wait. expert_down (kernels/experts/expert_down.py) is
 the one kernel marked so (`waits_for_inputs(kernel, reads_early=True)`): it loads the
 router's choice (the experts, their slots and weights) and the first of its down-matrix
-rows while expert_gate_up still runs, and waits only before it reads expert_gate_up's h. It stores nothing before the
-wait, as the PTX check (gpu/sm90.py: dependent_order) holds it to.
+rows while expert_gate_up still runs, and waits only before it reads expert_gate_up's
+h. It stores nothing before the wait, as the PTX check (gpu/sm90.py: dependent_order)
+holds it to.
 
 Which launches are dependent: a kernel marked with `waits_for_inputs(kernel)` (its
 factory marks it; its code keeps the rule), launched through the fast path

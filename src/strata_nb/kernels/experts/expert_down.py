@@ -203,9 +203,10 @@ def make_expert_down_kernel(fetch, decode, nibbles, view_a, view_b, rows, stages
                            slot_words, host_words,  # (N | L * E, D * row_words) uint32: the slot pool, the host copy
                            row_words):  # int32: words a row; 0 = a miss is read in place
         # A dependent launch that reads before it waits (gpu/dependent_launch.py, "Reading
-        # before the wait"): the router's choice and the experts' weights were written before
-        # the kernel before this one started, so all of this kernel's loads but h's go out
-        # while expert_gate_up still runs. It writes nothing before it waits.
+        # before the wait"): the router, which wrote the choice, finished before
+        # expert_gate_up let this kernel start, and no kernel of a step writes weights. So the
+        # read ahead, the choice, the staging of a miss and the first term's weight rows go
+        # out while expert_gate_up still runs; only h's loads wait. Nothing is written before.
         i, n_threads = cuda.threadIdx.x, cuda.blockDim.x
         lane, warp = i % WARP, i // WARP
         o0, t = cuda.blockIdx.x * rows, cuda.blockIdx.y  # outputs o0 .. o0 + rows - 1 of token t
