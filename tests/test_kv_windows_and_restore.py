@@ -69,9 +69,9 @@ def test_a_snapshot_into_parking_memory_restores_the_same_bytes(backend, setting
     """snapshot(end, into=...) (the conversation cache's range of pinned memory) holds the
     bytes of a plain snapshot, in snapshot_nbytes(end) bytes; restoring it after another
     conversation wrote the cells gives every pool, host copy and sketch byte back."""
-    from strata_nb.backend.cuda_backend import CudaBackend
+    from strata_nb.fast.backend import FastCudaBackend
 
-    be = BE if backend == "numpy" else CudaBackend()
+    be = BE if backend == "numpy" else FastCudaBackend()
     cache = make_cache(be, "k8v4" if backend == "numpy" else "fp16", 256, **settings)  # fp16: the simulator's fastest
     end = 40
 

@@ -243,12 +243,12 @@ def test_api_errors_name_the_parameter(dense, tmp_path):
 def test_cuda_backend_refuses_more_experts_than_its_router_holds(dense):
     from dataclasses import replace
 
-    from strata_nb.backend.cuda_backend import CudaBackend
+    from strata_nb.fast.backend import FastCudaBackend
 
     cfg = GGUFModel(dense()).config
     with pytest.raises(StrataError, match="expert kernels take at most 64 experts, 8 a token and a model dim of "
                                           "8192; this model has 65, 2 and 128"):
-        CudaBackend().check_model(replace(cfg, n_expert=65, n_expert_used=2), qsa=False)
+        FastCudaBackend().check_model(replace(cfg, n_expert=65, n_expert_used=2), qsa=False)
 
 
 @pytest.mark.slow

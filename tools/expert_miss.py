@@ -53,7 +53,7 @@ def timed(run, on) -> float:
 
 def replayed(launch):
     """us per replay of the launches launch() makes, captured into a CUDA graph."""
-    from strata_nb.backend.cuda_graph import StepGraph
+    from strata_nb.fast.cuda_graph import StepGraph
 
     launch()  # compile first: capture records launches, it does not compile
     cuda.synchronize()

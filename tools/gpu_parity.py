@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from strata_nb.backend.cuda_backend import CudaBackend
+from strata_nb.fast.backend import FastCudaBackend
 from strata_nb.backend.numpy_backend import NumpyBackend
 from strata_nb.engine.engine import Engine
 from strata_nb.model.gguf_file import GGUFModel
@@ -65,7 +65,7 @@ def main(n_tokens: int = 64, path: str | None = None):
         for resident in (0, 96 + 64):
             s = dict(model=str(path), kv=fmt, kv_resident=resident, kv_window=96, max_context=1024)
             ref = Engine(Settings(device="cpu", **s), model, NumpyBackend())
-            gpu = Engine(Settings(device="cuda", **s), model, CudaBackend())
+            gpu = Engine(Settings(device="cuda", **s), model, FastCudaBackend())
             a, ta, ma = greedy(ref, ids, n_tokens)
             t0 = time.perf_counter()
             b, tb, _ = greedy(gpu, ids, n_tokens)

@@ -26,7 +26,7 @@ from strata_nb.gpu.sm90 import compile_recorded, nvdisasm, ptxas, record_launche
 
 
 def main(formats: list[str]) -> int:
-    from strata_nb.backend.cuda_backend import CudaBackend
+    from strata_nb.fast.backend import FastCudaBackend
     from strata_nb.engine.engine import Engine
     from strata_nb.gpu import tensor_core
     from strata_nb.model.gguf_file import GGUFModel
@@ -46,7 +46,7 @@ def main(formats: list[str]) -> int:
         for kv in formats:
             for extra in ({}, {"kv_resident": 128, "kv_window": 64, "qsa_budget": 128}):  # resident, streamed QSA
                 eng = Engine(Settings(model=model, kv=kv, max_context=512, device="cuda", **extra),
-                             GGUFModel(model), CudaBackend())
+                             GGUFModel(model), FastCudaBackend())
                 token = int(eng.prefill(prompt).argmax())
                 step = eng.device_step()
                 step.run(token, len(prompt))
@@ -54,7 +54,7 @@ def main(formats: list[str]) -> int:
                     step.run(token, eng.kv.step.narrow * BLOCK)
             tensor_core._ON = True  # the prompt chunk's matmuls and attention on tensor cores
             Engine(Settings(model=model, kv=kv, max_context=512, device="cuda"), GGUFModel(model),
-                   CudaBackend()).prefill(prompt)
+                   FastCudaBackend()).prefill(prompt)
             tensor_core._ON = False
     failures, rows = compile_recorded(launches, binary, disassembler=nvdisasm())
     for f in failures:

@@ -33,7 +33,7 @@ import numpy as np
 os.environ.setdefault("STRATA_NB_GPU", "1")
 from numba import cuda, int32  # noqa: E402
 
-from strata_nb.backend.cuda_graph import StepGraph  # noqa: E402
+from strata_nb.fast.cuda_graph import StepGraph  # noqa: E402
 from strata_nb.gpu.dependent_launch import let_next_start, wait_for_inputs, waits_for_inputs  # noqa: E402
 from strata_nb.gpu.launch import stream  # noqa: E402  (importing it installs the fast launch path)
 

@@ -29,6 +29,10 @@ def engine_options(f):
                      help="KV cells per layer (default: the model's trained context, 8192 for the default model)."),
         click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
                      help="cpu runs the NumPy references; cuda the Numba-CUDA kernels."),
+        click.option("--kernels", type=click.Choice(["plain", "fast"]), default="fast", show_default=True,
+                     help="On the cuda backend: plain runs one plain kernel per op (src/strata_nb/kernels/), "
+                          "fast the fast tier's fused kernels, dependent launches and CUDA graphs "
+                          "(src/strata_nb/fast/). The CPU runs the references either way."),
         click.option("--prefill-chunk", type=int, default=None,
                      help="Prompt tokens per forward pass (default: 256 on the CPU, 2048 on a GPU)."),
         click.option("--kv-window", type=int, default=256, show_default=True,
@@ -139,7 +143,9 @@ def run(prompt, max_tokens, temperature, top_k, top_p, seed, raw, stats, **engin
         click.echo(f"prompt tokens: {s.prompt_tokens}, prefill: {s.prefill_tok_s:.1f} tok/s, "
                    f"generated: {s.generated_tokens}, decode: {s.decode_tok_s:.1f} tok/s over {s.decode_steps} steps "
                    f"({s.finish_reason})", err=True)
-        if eng.be.dependent_launches() not in ("off", "no GPU"):  # gpu/dependent_launch.py
+        if eng.be.name == "cuda":
+            click.echo(f"kernels: {eng.be.kernels}", err=True)
+        if eng.be.dependent_launches() not in ("off", "no GPU", "off: plain kernels"):  # gpu/dependent_launch.py
             click.echo(f"dependent launches: {eng.be.dependent_launches()}", err=True)
         prompt_kernels = eng.be.prompt_kernels(eng.config.head_dim)
         if prompt_kernels not in ("plain", "reference"):  # on a GPU: tensor cores, or why not
@@ -419,6 +425,9 @@ def _numbers(text: str, flag: str, kind, what: str) -> list:
               help="Per-kernel breakdown of one decode step (needs torch for CUPTI).")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
 @click.option("--graph/--no-graph", default=True, show_default=True, help="Replay decode steps from a CUDA graph.")
+@click.option("--kernels", "kernel_tiers", default="fast", show_default=True,
+              help="The cuda backend's tiers to time, e.g. fast,plain: the plain tier's resident and streamed "
+                   "rows beside the fast tier's.")
 @click.option("--max-context", type=int, default=None, help="KV cells per layer (default: the model's trained context).")
 @click.option("--out", type=click.Path(file_okay=False), default="bench-out", show_default=True,
               help="Folder for bench.json, bench.md and bench.png.")
@@ -434,7 +443,7 @@ def _numbers(text: str, flag: str, kind, what: str) -> list:
               help="A llama.cpp llama-bench binary: run it on the same GGUF, depths and KV types (k8v4 as q8_0 K + "
                    "q4_0 V) and put its rows and ours-over-llama.cpp ratios beside ours.")
 def bench(model, formats, streamed_formats, depths, runs, decode_tokens, check_tokens, peer, profile, device,
-          graph, max_context, out, append, expert_cache, spec_windows, llama_bench):
+          graph, kernel_tiers, max_context, out, append, expert_cache, spec_windows, llama_bench):
     """Measure prefill and decode tok/s per KV format, resident and streamed, at several depths."""
     from importlib import resources
     from pathlib import Path
@@ -455,6 +464,9 @@ def bench(model, formats, streamed_formats, depths, runs, decode_tokens, check_t
         raise StrataError("--depths needs at least one depth >= 1")
     if runs < 1 or decode_tokens < 1 or check_tokens < 0:
         raise StrataError("--runs and --decode-tokens must be >= 1, --check-tokens >= 0")
+    tiers = tuple(dict.fromkeys(t.strip() for t in kernel_tiers.split(",") if t.strip()))
+    if not tiers or any(t not in ("plain", "fast") for t in tiers):
+        raise StrataError(f"--kernels takes tiers from plain, fast, got {kernel_tiers!r}")
     shares = _shares(expert_cache) if expert_cache is not None else None
     windows = _windows(spec_windows) if spec_windows is not None else None
     if llama_bench is not None:
@@ -462,7 +474,10 @@ def bench(model, formats, streamed_formats, depths, runs, decode_tokens, check_t
 
         llama_bench = check_binary(llama_bench)
     folder = _out_folder(out)
-    eng = load_engine(model=model, device=device, graph=graph, max_context=max_context)
+    eng = load_engine(model=model, device=device, graph=graph, max_context=max_context, kernels=tiers[0])
+    if eng.be.name != "cuda" and tiers != ("fast",):
+        raise StrataError("--kernels picks the cuda backend's tiers; the numpy backend (--device cpu) runs the "
+                          "references")
     if shares and not eng.config.n_expert:
         raise StrataError("--expert-cache benches an MoE model's expert cache; this model is dense")
     text = resources.files("strata_nb.data").joinpath("default_document.txt").read_text()
@@ -474,7 +489,7 @@ def bench(model, formats, streamed_formats, depths, runs, decode_tokens, check_t
         partial.write_text(json.dumps(result | about, indent=1))
 
     result = run_bench(eng, text, fmts, streamed, depth_list, runs, decode_tokens, check_tokens, peer, profile,
-                       lambda m: click.echo(m, err=True), progress, shares, windows, llama_bench)
+                       lambda m: click.echo(m, err=True), progress, shares, windows, llama_bench, tiers)
     result |= about
     if earlier is not None:
         result = earlier | {k: v for k, v in result.items() if k not in ("rows", "peer", "command")} | {

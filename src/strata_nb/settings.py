@@ -8,6 +8,7 @@ from .errors import SettingError
 from .kv_layout import BLOCK, FORMATS
 
 DEVICES = ("auto", "cpu", "cuda")
+KERNELS = ("plain", "fast")  # the cuda backend's two tiers: src/strata_nb/kernels/ and src/strata_nb/fast/
 FAULTS = ("none", "drop-v-mirror", "verify-no-mirror", "expert-early-resident")
 MAX_WINDOW = 8  # --spec: positions a verify window holds, at most (the matvec's rows)
 
@@ -20,6 +21,7 @@ class Settings:
     kv_window: int = 256  # recent cells per layer held in the ring (streaming)
     qsa_budget: int = 0  # cells a query reads with block selection; 0 = every cell
     device: str = "auto"  # auto, cpu (the numpy backend), cuda
+    kernels: str = "fast"  # on the cuda backend: plain (one plain kernel per op) or fast (fused, graphs)
     max_context: int | None = None  # cells per layer the KV cache holds; None = the model's trained context
     prefill_chunk: int | None = None  # prompt tokens per forward pass; None = the backend's (prefill_chunk)
     fault: str = "none"  # teaching switches: drop-v-mirror (the unfolded-V-half bug), verify-no-mirror, expert-early-resident
@@ -36,6 +38,8 @@ class Settings:
             raise SettingError("kv", f"{self.kv!r} is not a KV format; choose one of fp16, int8, q4_0, k8v4")
         if self.device not in DEVICES:
             raise SettingError("device", f"{self.device!r} is not one of {', '.join(DEVICES)}")
+        if self.kernels not in KERNELS:
+            raise SettingError("kernels", f"{self.kernels!r} is not one of {', '.join(KERNELS)}")
         if self.max_context is not None and self.max_context < BLOCK:
             raise SettingError("max_context", f"must be at least {BLOCK} (one block), got {self.max_context}")
         if self.kv_resident < 0:

@@ -11,7 +11,7 @@ control: the epilogue's writer body drops V's host write; the step at 16 must di
 import numpy as np
 import pytest
 
-from strata_nb.backend.cuda_backend import CudaBackend
+from strata_nb.fast.backend import FastCudaBackend
 from strata_nb.backend.numpy_backend import NumpyBackend
 from strata_nb.engine.engine import Engine
 from strata_nb.kernels.kv import kv_append_fp16 as append_module
@@ -50,7 +50,7 @@ def prompt_cells(model):
 
 def replayed_logits(model, prompt_cells, kv_resident):
     """Each replayed step's logits, and how often the separate fp16 append kernel ran."""
-    engine = fp16_engine(model, CudaBackend(), kv_resident)
+    engine = fp16_engine(model, FastCudaBackend(), kv_resident)
     engine.kv.restore(prompt_cells)
     launches, kernel = [], append_module.kv_append_fp16
 

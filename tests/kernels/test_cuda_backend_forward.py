@@ -21,6 +21,7 @@ import pytest
 from conftest import ON_GPU
 from strata_nb.backend import get_backend
 from strata_nb.backend.cuda_backend import CudaBackend, DeviceMatrix
+from strata_nb.fast.backend import FastCudaBackend
 from strata_nb.backend.numpy_backend import NumpyBackend
 from strata_nb.engine.engine import Engine
 from strata_nb.errors import SettingError, StrataError
@@ -36,7 +37,7 @@ LOGIT_ATOL = 1e-3  # times the largest |logit| of the step
 def engines(tiny_model):
     settings = Settings(model=tiny_model, kv="fp16", max_context=64, device="cpu")
     model = GGUFModel(tiny_model)
-    return Engine(settings, model, NumpyBackend()), Engine(settings, model, CudaBackend())
+    return Engine(settings, model, NumpyBackend()), Engine(settings, model, FastCudaBackend())
 
 
 def assert_logits_close(got, want):
@@ -53,7 +54,7 @@ def test_weights_stay_quantized_on_the_device(engines):
 
 
 def test_matrix_stacks_rows_and_refuses_mixed_types():
-    be = CudaBackend()
+    be = FastCudaBackend()
     q = QTensor("q", "Q8_0", (2, 32), np.arange(68, dtype=np.uint8).reshape(2, 34))
     k = QTensor("k", "Q8_0", (1, 32), np.full((1, 34), 7, np.uint8))
     m = be.matrix(q, k)
@@ -88,9 +89,11 @@ def test_get_backend_picks_cuda_only_where_it_runs(monkeypatch):
     import numba.cuda
     from numba import config
 
-    assert isinstance(get_backend("cuda"), CudaBackend)  # a GPU, or the simulator
+    assert isinstance(get_backend("cuda"), FastCudaBackend)  # a GPU, or the simulator; the fast tier by default
+    plain = get_backend("cuda", "plain")
+    assert isinstance(plain, CudaBackend) and not isinstance(plain, FastCudaBackend) and plain.kernels == "plain"
     assert isinstance(get_backend("cpu"), NumpyBackend)
-    assert isinstance(get_backend("auto"), CudaBackend if ON_GPU else NumpyBackend)  # never the simulator
+    assert isinstance(get_backend("auto"), FastCudaBackend if ON_GPU else NumpyBackend)  # never the simulator
     monkeypatch.setattr(config, "ENABLE_CUDASIM", False)
     monkeypatch.setattr(numba.cuda, "is_available", lambda: False)  # a machine with no GPU
     with pytest.raises(SettingError, match="^device is cuda, which needs an NVIDIA GPU") as err:
@@ -109,7 +112,7 @@ def test_a_model_or_context_past_the_step_kernels_stops_before_any_launch():
     from strata_nb.kernels.attention import attention_step as st
     from strata_nb.kv_layout import BLOCK
 
-    be, cfg = CudaBackend(), SimpleNamespace(head_dim=64, n_heads=8, n_kv_heads=2, n_expert=0)
+    be, cfg = FastCudaBackend(), SimpleNamespace(head_dim=64, n_heads=8, n_kv_heads=2, n_expert=0)
     most = st.max_cells(64, 4)
     be.check_model(cfg, qsa=False, max_context=most)
     with pytest.raises(StrataError, match=f"at most {most:,} cells .*--max-context is {most + 1:,}"):

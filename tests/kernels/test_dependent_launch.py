@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from conftest import ON_GPU
-from strata_nb.backend.cuda_backend import CudaBackend
+from strata_nb.fast.backend import FastCudaBackend
 from strata_nb.backend.numpy_backend import NumpyBackend
 from strata_nb.gpu.dependent_launch import dependent_launches, enabled, is_dependent
 from strata_nb.gpu.sm90 import dependent_order
@@ -127,11 +127,11 @@ def test_the_step_s_kernels_are_marked_and_launch_plain_when_turned_off():
     assert not any(is_dependent(k) for k in PLAIN_KERNELS)  # select_blocks: gpu/dependent_launch.py
     with dependent_launches(False):
         assert not enabled() and not any(is_dependent(k) for k in kernels)
-        assert CudaBackend().dependent_launches() == "off"
+        assert FastCudaBackend().dependent_launches() == "off"
     with dependent_launches(True):
         assert all(is_dependent(k) for k in kernels)
         if not ON_GPU:
-            assert CudaBackend().dependent_launches().startswith("unavailable: the simulator")
+            assert FastCudaBackend().dependent_launches().startswith("unavailable: the simulator")
     assert NumpyBackend().dependent_launches() == "no GPU"
 
 
@@ -160,7 +160,7 @@ def test_dependent_launches_give_the_bits_of_plain_ones(tmp_path_factory, kv, mo
     def decode(on: bool):
         with dependent_launches(on):
             eng = Engine(Settings(model=default_model_path, kv=kv, max_context=256, device="cuda"),
-                         GGUFModel(default_model_path), CudaBackend())
+                         GGUFModel(default_model_path), FastCudaBackend())
             assert eng.be.dependent_launches() == ("on" if on else "off")
             logits = [np.array(eng.prefill(prompt))]  # copies: a backend may hand back its buffer
             token = int(np.argmax(logits[0]))

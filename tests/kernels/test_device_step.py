@@ -11,7 +11,7 @@ step, which rewrites the same cell with the same bytes.
 import numpy as np
 import pytest
 
-from strata_nb.backend.cuda_backend import CudaBackend
+from strata_nb.fast.backend import FastCudaBackend
 from strata_nb.backend.numpy_backend import NumpyBackend
 from strata_nb.engine.decode_step import DeviceStep
 from strata_nb.engine.engine import Engine
@@ -32,7 +32,7 @@ STEPS = 2
 
 def engine(tiny_model, kv, max_context=64, **kw):
     settings = Settings(model=tiny_model, kv=kv, max_context=max_context, device="cuda", **kw)
-    return Engine(settings, GGUFModel(tiny_model), CudaBackend())
+    return Engine(settings, GGUFModel(tiny_model), FastCudaBackend())
 
 
 def test_advance_step_kernel_equals_ref():

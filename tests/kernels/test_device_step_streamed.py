@@ -17,7 +17,7 @@ writes (--fault drop-v-mirror) and must change the replayed step's logits.
 import numpy as np
 import pytest
 
-from strata_nb.backend.cuda_backend import CudaBackend
+from strata_nb.fast.backend import FastCudaBackend
 from strata_nb.engine.engine import Engine
 from strata_nb.model.gguf_file import GGUFModel
 from strata_nb.settings import Settings
@@ -32,7 +32,7 @@ AFTER = 17  # a host-path step after the replayed ones
 def engine(tiny_model, fault="none"):
     settings = Settings(model=tiny_model, kv="k8v4", max_context=128, kv_window=16, kv_resident=80,
                         qsa_budget=48, fault=fault, device="cuda")
-    return Engine(settings, GGUFModel(tiny_model), CudaBackend())
+    return Engine(settings, GGUFModel(tiny_model), FastCudaBackend())
 
 
 @pytest.fixture(scope="module")

@@ -16,9 +16,9 @@ STREAMED = dict(kv_resident=128, kv_window=64) if ON_GPU else dict(kv_resident=1
 
 @pytest.fixture(scope="module")
 def be():
-    from strata_nb.backend.cuda_backend import CudaBackend
+    from strata_nb.fast.backend import FastCudaBackend
 
-    return CudaBackend()
+    return FastCudaBackend()
 
 
 @pytest.mark.parametrize("fmt, qsa_budget", [("k8v4", 48)] if not ON_GPU else

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import ON_GPU
-from strata_nb.backend.cuda_backend import CudaBackend
+from strata_nb.fast.backend import FastCudaBackend
 from strata_nb.backend.numpy_backend import NumpyBackend
 from strata_nb.bench.check import GAP_TOL, LAYER0_TOL
 from strata_nb.engine.engine import Engine
@@ -85,7 +85,7 @@ def test_prefill_in_device_chunks_matches_numpy(tiny_model, monkeypatch):
     settings = Settings(model=tiny_model, kv="fp16", max_context=64, device="cpu", prefill_chunk=CHUNK)
     model = GGUFModel(tiny_model)
     want_logits, want_tokens = greedy(Engine(settings, model, NumpyBackend()))
-    eng = Engine(settings, model, CudaBackend())
+    eng = Engine(settings, model, FastCudaBackend())
     got_logits, got_tokens = greedy(eng)
     assert set(eng.prompt_chunks().passes) == {CHUNK}  # both chunks ran through it: the second padded
     assert got_tokens == want_tokens
@@ -104,13 +104,13 @@ def test_on_where_asked_and_never_for_a_streamed_cache(tiny_model, monkeypatch):
     model = GGUFModel(tiny_model)
     resident = Settings(model=tiny_model, kv="fp16", max_context=64, device="cpu")
     monkeypatch.setattr(prompt_chunk, "_ON", False)
-    assert Engine(resident, model, CudaBackend()).prompt_chunks() is None
+    assert Engine(resident, model, FastCudaBackend()).prompt_chunks() is None
     monkeypatch.setattr(prompt_chunk, "_ON", True)
-    assert Engine(resident, model, CudaBackend()).prompt_chunks() is not None
+    assert Engine(resident, model, FastCudaBackend()).prompt_chunks() is not None
     assert Engine(resident, model, NumpyBackend()).prompt_chunks() is None
     streamed = Settings(model=tiny_model, kv="fp16", max_context=128, device="cpu", kv_window=16,
                         kv_resident=StreamPlan.minimum_cells(16))
-    assert Engine(streamed, model, CudaBackend(), quiet=True).prompt_chunks() is None
+    assert Engine(streamed, model, FastCudaBackend(), quiet=True).prompt_chunks() is None
 
 
 @pytest.mark.skipif(not ON_GPU, reason="graph capture needs a GPU (STRATA_NB_GPU=1)")
@@ -162,7 +162,7 @@ def cells_and_logits(tiny_model, prefills, **settings):
     """(last logits, every layer's cells of the prompt) after the given prefills, each
     (ids, start), on the cuda backend."""
     s = Settings(model=tiny_model, device="cpu", prefill_chunk=CHUNK, **({"max_context": 64, "kv": "fp16"} | settings))
-    eng = Engine(s, GGUFModel(tiny_model), CudaBackend(), quiet=True)
+    eng = Engine(s, GGUFModel(tiny_model), FastCudaBackend(), quiet=True)
     for ids, start in prefills:
         logits = eng.prefill(ids, start=start)
     return logits, eng.kv.snapshot(len(PROMPT))["layers"]

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from strata_nb.backend.cuda_backend import CudaBackend
+from strata_nb.fast.backend import FastCudaBackend
 from strata_nb.backend.numpy_backend import NumpyBackend
 from strata_nb.engine.decode_step import PICK_RING
 from strata_nb.engine.engine import Engine
@@ -49,7 +49,7 @@ def expected(token: int, pos: int, n: int) -> list[int]:
 @pytest.fixture(scope="module")
 def eng(tiny_model):
     settings = Settings(model=tiny_model, kv="fp16", max_context=64, device="cuda")
-    return Engine(settings, GGUFModel(tiny_model), CudaBackend())
+    return Engine(settings, GGUFModel(tiny_model), FastCudaBackend())
 
 
 @pytest.fixture

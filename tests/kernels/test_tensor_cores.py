@@ -223,14 +223,14 @@ class _Recording:
 
 def test_the_backends_say_which_prompt_kernel_runs(monkeypatch):
     """What `run --stats` and the bench JSON report (`prompt_kernels`)."""
-    from strata_nb.backend.cuda_backend import CudaBackend
+    from strata_nb.fast.backend import FastCudaBackend
     from strata_nb.backend.numpy_backend import NumpyBackend
 
     monkeypatch.setattr(tensor_core, "_ON", False)  # the simulator's default; a GPU's is on
-    assert CudaBackend().prompt_kernels(HEAD_DIM) == "plain"
+    assert FastCudaBackend().prompt_kernels(HEAD_DIM) == "plain"
     monkeypatch.setattr(tensor_core, "_ON", True)
-    assert CudaBackend().prompt_kernels(HEAD_DIM) == "tensor cores"
-    assert CudaBackend().prompt_kernels(128) == ("tensor cores for the matmuls, plain attention "
+    assert FastCudaBackend().prompt_kernels(HEAD_DIM) == "tensor cores"
+    assert FastCudaBackend().prompt_kernels(128) == ("tensor cores for the matmuls, plain attention "
                                                  "(head_dim 128 is not one of (64,))")
     assert NumpyBackend().prompt_kernels(HEAD_DIM) == "reference"
 
@@ -242,7 +242,7 @@ def test_a_prefill_on_tensor_cores_matches_the_numpy_engine(tiny_model, monkeypa
     heads), and every prompt position's logits stay within test_cuda_backend_forward's
     bound of the numpy engine's."""
     from test_cuda_backend_forward import PROMPT, assert_logits_close
-    from strata_nb.backend.cuda_backend import CudaBackend
+    from strata_nb.fast.backend import FastCudaBackend
     from strata_nb.backend.numpy_backend import NumpyBackend
     from strata_nb.engine.engine import Engine
     from strata_nb.kernels.dense import matmul_mma as mm
@@ -257,7 +257,7 @@ def test_a_prefill_on_tensor_cores_matches_the_numpy_engine(tiny_model, monkeypa
     settings = Settings(model=tiny_model, kv="fp16", max_context=64, device="cpu")
     model = GGUFModel(tiny_model)
     want = Engine(settings, model, NumpyBackend()).score(PROMPT)
-    got = Engine(settings, model, CudaBackend()).score(PROMPT)
+    got = Engine(settings, model, FastCudaBackend()).score(PROMPT)
     assert set(runs) == {("fp16", 64)} and len(runs) == 2  # one launch per layer
     assert {"Q4_1", "Q8_0"} <= set(products)  # the layers' matrices and the tied output head
     for row_got, row_want in zip(got, want):

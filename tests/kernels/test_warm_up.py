@@ -4,12 +4,12 @@ kernel the warm-up missed would be compiled, or loaded from the kernel cache, in
 run's prefill or decode, and --stats would count that time there.
 
 Under the simulator, where a run launches its kernels one by one; on a GPU the decode
-step is a graph of the same launches (backend/cuda_graph.py), which is why the scratch
+step is a graph of the same launches (fast/cuda_graph.py), which is why the scratch
 engine launches one eager step and captures nothing. The control: a warm-up without its
 decode step misses the step's own kernels."""
 import pytest
 
-from strata_nb.backend.cuda_backend import CudaBackend
+from strata_nb.fast.backend import FastCudaBackend
 from strata_nb.engine.engine import Engine
 from strata_nb.gpu.sm90 import record_launches
 from strata_nb.kernels.dense.matvec_fused import MAX_ROWS
@@ -36,7 +36,7 @@ def launched(action) -> set:
 @pytest.fixture(scope="module")
 def engine(tiny_model):
     settings = Settings(model=tiny_model, kv="fp16", max_context=64, device="cuda")
-    return Engine(settings, GGUFModel(tiny_model), CudaBackend())
+    return Engine(settings, GGUFModel(tiny_model), FastCudaBackend())
 
 
 @pytest.fixture(scope="module")

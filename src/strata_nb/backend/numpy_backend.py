@@ -18,10 +18,12 @@ from ..kernels.dense.rmsnorm import rmsnorm_ref
 from ..kernels.dense.rope import rope_qkv_ref
 from ..kernels.dense.swiglu import swiglu_ref
 from ..model.dequant import dequantize
+from .composed import ComposedOps
 
 
-class NumpyBackend:
+class NumpyBackend(ComposedOps):
     name = "numpy"
+    kernels = "reference"  # what runs each op: the NumPy references (settings.KERNELS is for the cuda backend)
     misses_cross_a_bus = False  # an expert cache's "host copy" and "slots" are both host arrays here
     prefill_chunk = 256  # prompt tokens per forward pass unless --prefill-chunk says otherwise
     device = "cpu"
@@ -152,31 +154,6 @@ class NumpyBackend:
     def add_(self, x, y):
         x += y
         return x
-
-    # The norm before a product, the gate and the residual add after one: the plain ops
-    # composed (the cuda backend fuses them into one kernel for a decode step). `ahead`,
-    # the matrix a step multiplies next, is for the cuda backend (it reads it into the
-    # GPU's L2 meanwhile); a product here has nothing to do with it.
-    def normed_matmul(self, x, norm, eps: float, w, ahead=None):
-        # rmsnorm(x) @ W.T
-        return self.matmul(self.rmsnorm(x, norm, eps), w)
-
-    def normed_matmul_rope(self, x, norm, eps: float, w, cos, sin, n_heads: int, n_kv: int, hd: int, ahead=None,
-                           append=None):
-        # rmsnorm(x) @ Wqkv.T, then RoPE on its q and k heads -> q, k, v; k and v written
-        # to the cache when given where (kv/writer.py: Append)
-        q, k, v = self.rope_qkv(self.normed_matmul(x, norm, eps, w), cos, sin, n_heads, n_kv, hd)
-        if append is not None:
-            append.write(self, k, v)
-        return q, k, v
-
-    def matmul_add_(self, x, a, w, ahead=None):
-        # x += a @ W.T, in place
-        return self.add_(x, self.matmul(a, w))
-
-    def gated_matmul_add_(self, x, gate_up, w, ahead=None):
-        # x += swiglu(gate_up) @ W.T, in place
-        return self.add_(x, self.matmul(self.swiglu(gate_up), w))
 
     def moe_ffn_add_(self, x, norm, eps: float, router, experts, layer: int, ahead=None, last=None):
         # x += the FFN of an MoE layer: rmsnorm(x) routed to K of E experts, each read from

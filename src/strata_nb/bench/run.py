@@ -36,6 +36,7 @@ class Config:
     depth: int  # prompt tokens before the first decode step
     experts: tuple[int, int] | None = None  # MoE: (VRAM slots, experts in all); None = every expert resident
     spec: int = 0  # speculative decoding's verify window (--spec); 0 = one token a step
+    kernels: str = "fast"  # --kernels: the cuda backend's tier
 
     @property
     def mode(self) -> str:
@@ -45,10 +46,13 @@ class Config:
             mode += f", experts {slots}/{every} cached"
         if self.spec:
             mode += f", spec {self.spec}"
+        if self.kernels == "plain":
+            mode += ", plain kernels"
         return mode
 
     def settings(self, kv_window: int) -> dict:
-        extra = dict(spec=self.spec) | ({} if self.experts is None else dict(expert_cache=self.experts[0]))
+        extra = dict(spec=self.spec, kernels=self.kernels) | (
+            {} if self.experts is None else dict(expert_cache=self.experts[0]))
         if not self.streamed:
             return dict(kv=self.fmt, kv_resident=0, qsa_budget=0) | extra
         return dict(kv=self.fmt, kv_resident=StreamPlan.minimum_cells(kv_window), qsa_budget=QSA_BUDGET) | extra
@@ -201,7 +205,7 @@ def profile_depth(depth: int) -> int:
 def bench(base, text: str, formats: list[str], streamed_formats: list[str], depths: list[int], runs: int,
           n_decode: int, check_n: int, peer: bool, profile: bool, log, progress=None,
           expert_shares: list[float] | None = None, spec_windows: list[int] | None = None,
-          llama_bench: str | None = None) -> dict:
+          llama_bench: str | None = None, kernels: tuple[str, ...] = ("fast",)) -> dict:
     """Every configuration, the output check, the peer and the profile, as one dict.
     expert_shares: an MoE model's resident rows again with this share of its experts in VRAM
     slots each (0.25, 0.5, 1.0), the rest read from host memory.
@@ -209,6 +213,8 @@ def bench(base, text: str, formats: list[str], streamed_formats: list[str], dept
     a spec row's tokens must be its --spec 0 row's (greedy identity), checked here.
     check_n: how many of each configuration's first greedy tokens the numpy backend checks.
     llama_bench: a llama-bench binary to run on the same file, depths and formats (llama.py).
+    kernels: the tiers whose rows to time (--kernels): the fast tier's rows, and the plain
+    tier's resident and streamed rows beside them (the same formats).
     progress(result): called with the dict so far after each row, the peer and the
     profile (rows not yet checked have no "check"), so a run cut short keeps its rows."""
     from dataclasses import asdict
@@ -247,7 +253,8 @@ def bench(base, text: str, formats: list[str], streamed_formats: list[str], dept
         depth = min(depth, ctx - n_decode - WARMUP - 1)  # room for the decoded tokens
         measured_depths.append(depth)
         prompt = prompt_of(base, text, depth)
-        configs = [Config(f, False, depth) for f in formats] + [Config(f, True, depth) for f in streamed_formats]
+        configs = [Config(f, False, depth, kernels=k) for k in kernels for f in formats]
+        configs += [Config(f, True, depth, kernels=k) for k in kernels for f in streamed_formats]
         if expert_shares and base.config.n_expert:
             every = base.config.n_layers * base.config.n_expert
             configs += [Config(f, False, depth, (round(share * every), every)) for f in formats for share in expert_shares]
@@ -255,7 +262,7 @@ def bench(base, text: str, formats: list[str], streamed_formats: list[str], dept
         one_token = {}  # fmt -> the --spec 0 row's tokens at this depth
         for cfg in configs:
             row, layer0 = run_config(base, cfg, prompt, runs, n_decode)
-            if not cfg.spec and cfg.experts is None and not cfg.streamed:
+            if not cfg.spec and cfg.experts is None and not cfg.streamed and cfg.kernels == "fast":
                 one_token[cfg.fmt] = row.tokens
             if cfg.spec and cfg.fmt in one_token:
                 row.spec["identical"] = row.tokens == one_token[cfg.fmt]

@@ -10,7 +10,7 @@ arrays, which every launch copies over. Here they stay on the device:
                        (kv/step_blocks.py: StepBlocks)
 
 so one step's launches are the same every token and can be captured once into a CUDA graph
-(backend/cuda_graph.py) and replayed. Early in a resident cache the list is narrower: only
+(fast/cuda_graph.py) and replayed. Early in a resident cache the list is narrower: only
 its first blocks, so few that the step attention runs its build for two thread blocks an
 SM (kernels/attention/attention_step.py). So the step keeps a graph per list width, two
 at most, and replays the one for the position. Greedy decode, and temperature / top-p sampling
@@ -70,7 +70,7 @@ class DeviceStep:
 
     @staticmethod
     def supported(be, kv) -> bool:
-        return be.name == "cuda" and kv.step is not None
+        return be.kernels == "fast" and kv.step is not None
 
     def launch(self):
         """The step's launches: the forward pass, the pick (greedy or drawn), advance."""
@@ -147,7 +147,7 @@ class DeviceStep:
         blocks = self.kv.step
         width = blocks.width_for(pos)
         if width not in self.graphs and self.use_graph and width in self.widths_launched:
-            from ..backend.cuda_graph import StepGraph
+            from ..fast.cuda_graph import StepGraph
 
             self.be.synchronize()
             with blocks.narrowed(width):

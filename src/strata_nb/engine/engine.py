@@ -91,13 +91,15 @@ class Engine:
         if settings.max_context > self.config.context_length:
             raise SettingError("max_context", f"{settings.max_context} exceeds the model's trained context "
                                               f"of {self.config.context_length}")
+        if be.name == "cuda" and be.kernels != settings.kernels:
+            raise StrataError(f"the settings ask for --kernels {settings.kernels}, and the backend runs {be.kernels} kernels")
         be.check_model(self.config, qsa=settings.qsa_budget > 0, max_context=settings.max_context)
         if shared is not None:
             self.tokenizer, self.weights = shared.tokenizer, shared.weights
         else:
             self.tokenizer = Tokenizer(model)
             self.weights = load_weights(be, model)
-        self.kv = KVCache(be, self.config, settings, rows_alone=be.name == "cuda" and device_prompt_enabled())
+        self.kv = KVCache(be, self.config, settings, rows_alone=be.kernels == "fast" and device_prompt_enabled())
         self.load_seconds = 0.0  # set by Engine.load
         if self.kv.streamed and not quiet:
             print(self.kv.describe(), file=sys.stderr)
@@ -145,20 +147,24 @@ class Engine:
                             max_context=max_context, **more)
         path = settings.model or ensure_default_model()
         t0 = time.perf_counter()
-        eng = cls(settings, GGUFModel(path), get_backend(settings.device))
+        eng = cls(settings, GGUFModel(path), get_backend(settings.device, settings.kernels))
         eng.load_seconds = time.perf_counter() - t0
         return eng
 
     def derive(self, quiet: bool = False, **changes) -> "Engine":
-        """A new engine with other KV settings (kv, kv_resident, qsa_budget, ...) that shares
-        this one's model, backend and weights: comparisons without loading twice. quiet:
+        """A new engine with other KV settings (kv, kv_resident, qsa_budget, ...) or kernels
+        that shares this one's model and weights (and backend, for the same kernels):
+        comparisons without loading twice. quiet:
         it does not describe its caches on stderr."""
         from dataclasses import asdict
 
         settings = Settings(**(asdict(self.settings) | changes))
         if settings.device != self.settings.device or settings.model != self.settings.model:
             raise StrataError("derive() keeps the model and device; load a new Engine to change them")
-        return Engine(settings, self.model, self.be, shared=self, quiet=quiet)
+        be = self.be
+        if settings.kernels != self.settings.kernels and be.name == "cuda":  # the other tier: the same weights
+            be = get_backend(settings.device, settings.kernels)
+        return Engine(settings, self.model, be, shared=self, quiet=quiet)
 
     # --8<-- [start:warm_up]
     _warm: set = set()  # the settings whose kernels this process has made

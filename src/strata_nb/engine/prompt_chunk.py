@@ -13,7 +13,7 @@ what changes from chunk to chunk in device memory that the kernels read:
 
 and attention reads the whole cache's row of blocks, each query cut at its position. So
 every chunk of width W makes the same launches, captured once into a CUDA graph
-(backend/cuda_graph.py) and replayed.
+(fast/cuda_graph.py) and replayed.
 
 Widths: a chunk has `--prefill-chunk` tokens but the last, and the last is padded up to
 the next width of a short ladder (16, 32, 64, ... below the chunk size), so a handful of
@@ -106,7 +106,7 @@ class PromptChunks:
 
     @staticmethod
     def supported(be, kv) -> bool:
-        return be.name == "cuda" and kv.rows_alone and not kv.streamed
+        return be.kernels == "fast" and kv.rows_alone and not kv.streamed
 
     def fits(self, start: int, n: int) -> bool:
         """Do the padded chunk's cells fit the cache? (The kernels do not bounds-check positions.)"""
@@ -167,7 +167,7 @@ class PromptChunks:
             return
         from numba import cuda
 
-        from ..backend.cuda_graph import StepGraph
+        from ..fast.cuda_graph import StepGraph
 
         if self._stream is None:
             self._stream = cuda.stream()

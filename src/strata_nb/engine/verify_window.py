@@ -11,7 +11,7 @@ from pass to pass in device memory that the kernels read:
     picks      (T,) int32  mapped host memory: each position's greedy pick (its argmax)
 
 so every window's launches are the same, captured once into a CUDA graph
-(backend/cuda_graph.py) and replayed. A pass always has T = --spec rows: a window with
+(fast/cuda_graph.py) and replayed. A pass always has T = --spec rows: a window with
 fewer drafts is padded with its last token, and the padded positions are computed and
 written like rejected drafts' cells, to be written over by the next pass. The expert
 cache counts the real rows only (`last`), as a decode step would count them.
@@ -53,7 +53,7 @@ class VerifyWindow:
 
     @staticmethod
     def supported(be, kv) -> bool:
-        return be.name == "cuda" and kv.step is not None
+        return be.kernels == "fast" and kv.step is not None
 
     def fits(self, pos: int) -> bool:
         """Do T cells from pos fit the cache? (The kernels do not bounds-check positions.)"""
@@ -81,7 +81,7 @@ class VerifyWindow:
             self.weights.experts.after_pass()  # the expert cache adapts between passes, not inside one
         self.kv.open_window()  # a verify window's appends (captured so: the graph replays them as such)
         if self.graph is None and self.use_graph and self.launched:
-            from ..backend.cuda_graph import StepGraph
+            from ..fast.cuda_graph import StepGraph
 
             self.be.synchronize()
             self.graph = StepGraph(self.launch)  # records the launches; runs nothing

@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import types
 
-from numba import cuda
-
-from strata_nb.gpu.geometry import SIMULATED
+from strata_nb.gpu.launch import inline_device
 
 TWINS: dict = {}  # plain launcher -> its fast twin
 
@@ -39,9 +37,8 @@ def fast_or_plain(launcher):
 
 
 def inline_body(kernel):
-    """A plain @cuda.jit kernel's code as a device function, inlined into whatever calls
-    it (the simulator has no forceinline, and needs none)."""
-    return cuda.jit(device=True, **({} if SIMULATED else {"forceinline": True}))(kernel.py_func)
+    """A plain @cuda.jit kernel's code as a device function, inlined into whatever calls it."""
+    return inline_device(kernel.py_func)
 
 
 def relaunch(launcher, **kernels):

@@ -76,7 +76,7 @@ class KVCache:
             {f: be.zeros((self.n_blocks,) + tuple(a.shape[1:]), a.dtype)
              for f, a in self.layers[0].pool.items()}, identity, None)
         self._counters = StreamCounters()
-        self.step = StepBlocks(be, self) if be.name == "cuda" else None
+        self.step = StepBlocks(be, self) if be.kernels == "fast" else None  # the fast tier's replayed steps
         self._device_newer = False  # a replayed step moved the ring or counted lookups on the device
         self._hadamard = be.op(hadamard_ref, hadamard)
         self._attention = be.op(attention_ref, attention)
