@@ -27,8 +27,8 @@ import numpy as np
 os.environ.setdefault("STRATA_NB_GPU", "1")
 from numba import cuda  # noqa: E402
 
-from strata_nb.kernels.experts.expert_down import expert_down  # noqa: E402
-from strata_nb.kernels.experts.expert_gate_up import expert_gate_up  # noqa: E402
+from strata_nb.fast.expert_down import expert_down  # noqa: E402
+from strata_nb.fast.expert_gate_up import expert_gate_up  # noqa: E402
 
 D, F, E, K, QTYPE, ROW_D, ROW_F = 576, 1536, 8, 2, "Q4_1", 576 // 32 * 20, 1536 // 32 * 20
 REPS = 200

@@ -19,10 +19,10 @@ import numpy as np
 os.environ.setdefault("STRATA_NB_GPU", "1")
 from numba import cuda  # noqa: E402
 
-from strata_nb.kernels.experts import expert_down as down_mod  # noqa: E402
-from strata_nb.kernels.experts import expert_gate_up as gate_up_mod  # noqa: E402
+from strata_nb.fast import expert_down as fast_down, expert_gate_up as fast_gate_up, route as fast_route  # noqa: E402
 from strata_nb.kernels.dense import matvec  # noqa: E402
-from strata_nb.kernels.experts.route import route  # noqa: E402
+from strata_nb.kernels.experts import expert_down as plain_down, expert_gate_up as plain_gate_up  # noqa: E402
+from strata_nb.kernels.experts import route as plain_route  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from expert_miss import replayed  # noqa: E402
@@ -60,28 +60,27 @@ def main():
         chosen, weights = cuda.device_array((1, k), np.int32), cuda.device_array((1, k), np.float32)
         h = cuda.device_array((1, k, f), np.float32)
 
-        def plain():
-            route(x, norm, 1e-5, router, "F32", x_norm, chosen, weights, slot_of, res, 0, *counts)
-            gate_up_mod.expert_gate_up(x_norm, chosen, slot_of, 0, gu, gu, QTYPE, h)
-            down_mod.expert_down(h, chosen, weights, slot_of, 0, dn, dn, QTYPE, x)
-
-        def first_kernels():
-            route(x, norm, 1e-5, router, "F32", x_norm, chosen, weights, slot_of, res, 0, *counts, plain=True)
-            gate_up_mod.expert_gate_up(x_norm, chosen, slot_of, 0, gu, gu, QTYPE, h, plain=True)
-            down_mod.expert_down(h, chosen, weights, slot_of, 0, dn, dn, QTYPE, x, plain=True)
+        tiers = {False: (fast_route, fast_gate_up, fast_down), True: (plain_route, plain_gate_up, plain_down)}
 
         def route_only(plain_kernel=False):
-            route(x, norm, 1e-5, router, "F32", x_norm, chosen, weights, slot_of, res, 0, *counts, plain=plain_kernel)
+            tiers[plain_kernel][0].route(x, norm, 1e-5, router, "F32", x_norm, chosen, weights, slot_of, res, 0,
+                                         *counts)
 
         def gate_up_only(plain_kernel=False):
-            gate_up_mod.expert_gate_up(x_norm, chosen, slot_of, 0, gu, gu, QTYPE, h, plain=plain_kernel)
+            tiers[plain_kernel][1].expert_gate_up(x_norm, chosen, slot_of, 0, gu, gu, QTYPE, h)
 
         def down_only(plain_kernel=False):
-            down_mod.expert_down(h, chosen, weights, slot_of, 0, dn, dn, QTYPE, x, plain=plain_kernel)
+            tiers[plain_kernel][2].expert_down(h, chosen, weights, slot_of, 0, dn, dn, QTYPE, x)
+
+        def fast_tier():  # the three kernels as the fast engine runs them
+            route_only(), gate_up_only(), down_only()
+
+        def plain_tier():
+            route_only(True), gate_up_only(True), down_only(True)
 
         tag = f"{name} E{e} K{k} F{f}"
-        print(f"{tag}: route, gate|up, down  {replayed(plain):7.1f} us (the plain kernels: "
-              f"{replayed(first_kernels):.1f})   alone: route {replayed(route_only):.1f} "
+        print(f"{tag}: route, gate|up, down  {replayed(fast_tier):7.1f} us (the plain kernels: "
+              f"{replayed(plain_tier):.1f})   alone: route {replayed(route_only):.1f} "
               f"(plain {replayed(lambda: route_only(True)):.1f}), gate|up {replayed(gate_up_only):.1f} "
               f"(plain {replayed(lambda: gate_up_only(True)):.1f}), "
               f"down {replayed(down_only):.1f} (plain {replayed(lambda: down_only(True)):.1f})", flush=True)

@@ -2,7 +2,7 @@
 chunk's lookups of them pointed there; hits, and experts no token chose, left alone."""
 import numpy as np
 
-from strata_nb.kernels.experts.fetch_misses import fetch_misses, fetch_misses_ref
+from strata_nb.fast.fetch_misses import fetch_misses, fetch_misses_ref
 
 E, K, T, LAYERS = 5, 2, 11, 2
 AT = E  # layer 1

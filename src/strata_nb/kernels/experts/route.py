@@ -8,34 +8,20 @@ softmax, each token's top K and their renormalized weights, and the expert cache
 
 Index legend: T tokens, E experts (at most MAX_EXPERTS), D model dim, K experts used.
 
-The chosen ids and weights stay in device memory: the expert kernels read them there, so
-a decode step captured into a CUDA graph (engine/decode_step.py) replays the same launches
-whichever experts the router picks. The router also looks each chosen expert up in the
-residency table once, `slot_of[t, r]` = its slot or -1, so the expert kernels read where
-its rows are without a lookup of their own. And it counts, for the cache's policy and
-its statistics, each lookup of an expert and whether it was a hit (resident in a slot):
-`lookups[layer * E + e]` and `hits[layer * E + e]` only ever grow, so the host can read
-them between steps and take differences (experts/cache.py).
+The chosen ids and weights stay in device memory, where the expert kernels read them. The
+router also looks each chosen expert up in the residency table once, `slot_of[t, r]` = its
+slot or -1, so the expert kernels read where its rows are without a lookup of their own.
+And it counts, for the cache's policy and its statistics, each lookup of an expert and
+whether it was a hit (resident in a slot): `lookups[layer * E + e]` and
+`hits[layer * E + e]` only ever grow, so the host can read them between steps and take
+differences (experts/cache.py).
 
-One thread block per token, in two kernels. The plain one, `route_kernel1`, reads as the
-maths does: its threads norm the token's row (as rmsnorm.py does) into shared memory,
-then each warp takes experts in turn and dots the normed row with the expert's router row
-(as matvec's plain kernel does a row of W). The softmax and top-K are small: every thread
-takes the max and the sum over the E logits, and each expert's thread works out its rank;
-then K threads write the choices and count them, in parallel.
-
-A decode step has one such block, and its time is a chain of round trips to memory and
-barriers, so `route_kernel`, the one the engine runs, shortens the chain:
-- every warp norms the row itself, from the x values it loads for its dot anyway, and
-  applies 1 / rms to the logit (as matvec's normed kernels do): no block-wide sum, and
-  the router rows, x and the norm weights are all loaded at once, three parts a round
-  (the default model's row of 576 values is 72 parts: one round for every lane);
-- the softmax and the top K are warp reductions in the lanes of the experts (two
-  experts a lane at most), one barrier between them, where the plain kernel has three;
-  each expert's lane takes one exp and one division, the plain kernel's threads 2 E;
-- the residency lookups go out at the start, beside the loads, not after the choice;
-- the normed row for expert_gate_up is written at the end by the warps that write no
-  choice, while warp 0's lanes of the chosen experts write the choice.
+One thread block per token, reading as the maths does: its threads norm the token's row
+(as rmsnorm.py does) into shared memory, then each warp takes experts in turn and dots
+the normed row with the expert's router row (as matvec's plain kernel does a row of W).
+The softmax and top-K are small: every thread takes the max and the sum over the E
+logits, and each expert's thread works out its rank; then K threads write the choices and
+count them, in parallel.
 
 Tolerance: the ids must equal the reference's; the weights are within `weights_tolerance`
 (see there). Ids can differ only where two experts' probabilities are within the logits'
@@ -48,10 +34,9 @@ import math
 import numpy as np
 from numba import cuda, float32, int32
 
-from strata_nb.gpu.dependent_launch import wait_for_inputs, waits_for_inputs
 from strata_nb.gpu.geometry import ROUTE_THREADS
 from strata_nb.gpu.launch import DeviceArgs, absent, expect, stream
-from strata_nb.gpu.reduce import NEG_INF, WARP, block_sum, warp_max, warp_sum
+from strata_nb.gpu.reduce import WARP, block_sum, warp_sum
 from strata_nb.kernels.dense.gguf_rows import PART, PARTS, QK, QTYPES, part_runs, row_bytes, weight_views
 from strata_nb.kernels.dense.matvec import dot_tolerance
 from strata_nb.kernels.dense.rmsnorm import inv_rms, rmsnorm_ref
@@ -99,10 +84,7 @@ def weights_tolerance(x_norm, router):
 # --8<-- [end:route_ref]
 
 
-# --8<-- [start:route_kernel1]
-PRELOAD = 4  # parts of its router row a lane loads before the norm (all of them for D <= 1,024)
-
-
+# --8<-- [start:route_kernel]
 @cuda.jit(device=True)
 def write_choice(t, e, rank, prob, kept, slot, chosen, weights, slot_of, at, lookups, hits, counted):
     """Expert e, token t's choice `rank`, written for the expert kernels with its weight
@@ -135,11 +117,11 @@ def record_choice(t, r, slot, picked, picked_p, chosen, weights, slot_of, at, lo
     write_choice(t, picked[r], r, picked_p[r], kept, slot, chosen, weights, slot_of, at, lookups, hits, counted)
 
 
-def make_route_kernel1(part, nibbles):
-    """The plain router kernel for one type of router row (its dequantizer `part`)."""
+def make_route_kernel(part, nibbles):
+    """The router kernel for one type of router row (its dequantizer `part`)."""
 
     @cuda.jit(cache=True)
-    def route_kernel1(x, norm, eps,   # (T, D) float32, (D,) float32, float32
+    def route_kernel(x, norm, eps,   # (T, D) float32, (D,) float32, float32
                      ra, rb,         # (E, *) two views of the router's GGUF rows
                      x_norm,         # (T, D) float32, written
                      chosen,         # (T, K) int32, written
@@ -151,17 +133,7 @@ def make_route_kernel1(part, nibbles):
         t, tid = cuda.blockIdx.x, cuda.threadIdx.x
         lane, warp, n_warps = tid % WARP, tid // WARP, cuda.blockDim.x // WARP
         d, n_expert, k = x.shape[1], ra.shape[0], chosen.shape[1]
-        n_parts = d // PART
-        # 1. Warp w's first expert's router row, read before anything else: it does not
-        # depend on x, so these loads are in flight while the norm's are. A lane holds
-        # parts lane, lane + 32, ... (its share of the dot product, in the order it adds them).
-        w = cuda.local.array((PRELOAD, PART), float32)
-        if warp < n_expert:
-            for i in range(PRELOAD):
-                q = lane + i * WARP
-                if q < n_parts:
-                    part(ra, rb, warp, q // PARTS, q % PARTS, w[i])
-        # 2. The norm, as rmsnorm_kernel: each thread a strided share of the row. The normed
+        # 1. The norm, as rmsnorm_kernel: each thread a strided share of the row. The normed
         # row is kept in shared memory too: the logits read it from there, not back from
         # global memory (each read of global memory is a round trip this one block waits for).
         row = cuda.shared.array(MAX_DIM, float32)  # (D,) the normed row
@@ -174,28 +146,28 @@ def make_route_kernel1(part, nibbles):
             row[j] = row[j] * inv * norm[j]
             x_norm[t, j] = row[j]
         cuda.syncthreads()  # the normed row is whole before any warp reads it
-        # 3. One logit per expert: warp w takes experts w, w + n_warps, ... (as matvec's plain
-        # kernel takes rows of W); every warp runs the same number of rounds, because
-        # warp_sum is a block-wide barrier under the simulator. Parts not loaded in step 1
-        # (later experts, rows longer than PRELOAD parts a lane) are loaded here.
+        # 2. One logit per expert: warp w takes experts w, w + n_warps, ... (as matvec's plain
+        # kernel takes rows of W), a lane parts lane, lane + 32, ... of the expert's router
+        # row; every warp runs the same number of rounds, because warp_sum is a block-wide
+        # barrier under the simulator.
+        w = cuda.local.array(PART, float32)  # a part of the router row, dequantized
         p = cuda.shared.array(MAX_EXPERTS, float32)  # (E,) logits, then probabilities
         for first in range(0, n_expert, n_warps):
             e = first + warp
             acc = float32(0.0)
             if e < n_expert:
-                for q in range(lane, n_parts, WARP):
-                    i = q // WARP
-                    if first > 0 or i >= PRELOAD:
-                        part(ra, rb, e, q // PARTS, q % PARTS, w[i % PRELOAD])
-                    lo, hi = part_runs(nibbles, q % PARTS)
-                    lo, hi = (q // PARTS) * QK + lo, (q // PARTS) * QK + hi
+                for q in range(lane, d // PART, WARP):
+                    blk, pp = q // PARTS, q % PARTS
+                    part(ra, rb, e, blk, pp, w)
+                    lo, hi = part_runs(nibbles, pp)
+                    lo, hi = blk * QK + lo, blk * QK + hi
                     for j in range(4):
-                        acc += w[i % PRELOAD, j] * row[lo + j] + w[i % PRELOAD, 4 + j] * row[hi + j]
+                        acc += w[j] * row[lo + j] + w[4 + j] * row[hi + j]
             total = warp_sum(acc)
             if lane == 0 and e < n_expert:
                 p[e] = total
         cuda.syncthreads()
-        # 4. The softmax over all E (as the reference takes its top K from) and the top K.
+        # 3. The softmax over all E (as the reference takes its top K from) and the top K.
         # Every thread scans the E logits for the max and the sum itself (the same order,
         # so the same bits in every thread); then each expert's thread counts the experts
         # that beat it, its rank. No thread waits on another's E x K loop.
@@ -219,176 +191,30 @@ def make_route_kernel1(part, nibbles):
             if rank < k:
                 picked[rank], picked_p[rank] = e, p[e]
         cuda.syncthreads()
-        # 5. The writes and the cache's counting, one thread per chosen expert: in parallel,
+        # 4. The writes and the cache's counting, one thread per chosen expert: in parallel,
         # because each is a round trip to global memory.
         if tid < k:
             record_choice(t, tid, res[at + picked[tid]], picked, picked_p, chosen, weights, slot_of, at, lookups, hits,
                           is_counted(t, last))
 
-    return route_kernel1
-
-
-ROUTE_KERNELS1 = {qtype: make_route_kernel1(part, nibbles) for qtype, (part, _, _, nibbles) in QTYPES.items()}
-# --8<-- [end:route_kernel1]
-
-
-# --8<-- [start:route_kernel]
-ROUND = 3  # parts of a router row a lane loads before it uses one
-
-
-def make_route_kernel(part, nibbles):
-    """The fast router kernel: every warp norms the row itself, so the logits wait for
-    no block-wide sum, and the softmax and the top K are warp reductions."""
-
-    @cuda.jit(device=True)
-    def x_part(x, norm, t, q, xs, ns):
-        """x's and the norm's 8 values at part q of a router row, into xs and ns."""
-        blk, pp = q // PARTS, q % PARTS
-        lo, hi = part_runs(nibbles, pp)
-        lo, hi = blk * QK + lo, blk * QK + hi
-        for j in range(4):
-            xs[j], xs[4 + j] = x[t, lo + j], x[t, hi + j]
-            ns[j], ns[4 + j] = norm[lo + j], norm[hi + j]
-
-    @cuda.jit(device=True)
-    def logit_terms(xs, ns, w, dotted, squared, acc, squares):
-        """A part of a router row (w) against the same 8 values of x * norm (xs, ns), added
-        to acc if dotted; those values of x squared, added to squares if squared."""
-        for j in range(4):
-            a, b = xs[j], xs[4 + j]
-            if squared:
-                squares += a * a + b * b
-            if dotted:
-                acc += w[j] * (a * ns[j]) + w[4 + j] * (b * ns[4 + j])
-        return acc, squares
-
-    @cuda.jit(device=True)
-    def rank_of(probs, n_expert, e, prob):
-        """How many experts are more probable than expert e, or as probable with a lower id."""
-        rank = 0
-        for o in range(n_expert):
-            if probs[o] > prob or (probs[o] == prob and o < e):
-                rank += 1
-        return rank
-
-    @cuda.jit(cache=True)
-    def route_kernel(x, norm, eps, ra, rb, x_norm, chosen, weights, slot_of, res, at, lookups, hits,
-                     last):  # as route_kernel1's
-        wait_for_inputs()  # a dependent launch (gpu/dependent_launch.py), which lets the
-        # next kernel launch only when it ends: expert_gate_up's blocks, placed early, would
-        # wait beside this one block for all of its chain (measured slower)
-        t, tid = cuda.blockIdx.x, cuda.threadIdx.x
-        lane, warp, n_warps = tid % WARP, tid // WARP, cuda.blockDim.x // WARP
-        d, n_expert, k = x.shape[1], ra.shape[0], chosen.shape[1]
-        n_parts = d // PART
-        # Warp 0's lane takes experts lane and lane + 32 in step 2; their slots are looked up
-        # now, in flight with everything below (no lookup after the choice)
-        e0, e1 = lane, lane + WARP
-        slot0 = res[at + e0] if warp == 0 and e0 < n_expert else -1
-        slot1 = res[at + e1] if warp == 0 and e1 < n_expert else -1
-        counted = is_counted(t, last)  # a token, not a padded prompt chunk's repeat of its last
-        # 1. One logit per expert, warp w taking experts w, w + n_warps, ... The norm is applied
-        # last, as matvec's normed kernels apply it: rmsnorm(x) . router = (1 / rms) ((x * norm)
-        # . router), and each warp sums the squares of x from the values it loads for its
-        # first expert (its lanes read every column once). So a warp's router row, x and
-        # norm loads are all out at once, and no barrier stands between them and the dot.
-        # Every warp sums the squares in the same order, so every warp has the same 1 / rms.
-        # ROUND parts of the row a round, each into its own arrays, so all their loads (x's,
-        # the norm's, the router row's) are in flight before any is used, with no branch
-        # between them (a load after a branch waits for the work before it): a part past the
-        # row's end reads the last part again, and is not added. A lane adds its parts in
-        # the order q, q + 32, q + 64, ...
-        w0 = cuda.local.array(PART, float32)
-        w1 = cuda.local.array(PART, float32)
-        w2 = cuda.local.array(PART, float32)
-        x0 = cuda.local.array(PART, float32)
-        x1 = cuda.local.array(PART, float32)
-        x2 = cuda.local.array(PART, float32)
-        n0 = cuda.local.array(PART, float32)
-        n1 = cuda.local.array(PART, float32)
-        n2 = cuda.local.array(PART, float32)
-        p = cuda.shared.array(MAX_EXPERTS, float32)  # (E,) logits
-        squares = float32(0.0)
-        inv = float32(0.0)
-        for first in range(0, n_expert, n_warps):
-            e = first + warp
-            acc = float32(0.0)
-            for q0 in range(lane, n_parts, ROUND * WARP):
-                q1, q2 = min(q0 + WARP, n_parts - 1), min(q0 + 2 * WARP, n_parts - 1)
-                x_part(x, norm, t, q0, x0, n0)
-                x_part(x, norm, t, q1, x1, n1)
-                x_part(x, norm, t, q2, x2, n2)
-                if e < n_expert:
-                    part(ra, rb, e, q0 // PARTS, q0 % PARTS, w0)
-                    part(ra, rb, e, q1 // PARTS, q1 % PARTS, w1)
-                    part(ra, rb, e, q2 // PARTS, q2 % PARTS, w2)
-                acc, squares = logit_terms(x0, n0, w0, e < n_expert, first == 0, acc, squares)
-                if q0 + WARP < n_parts:
-                    acc, squares = logit_terms(x1, n1, w1, e < n_expert, first == 0, acc, squares)
-                if q0 + 2 * WARP < n_parts:
-                    acc, squares = logit_terms(x2, n2, w2, e < n_expert, first == 0, acc, squares)
-            if first == 0:
-                inv = inv_rms(warp_sum(squares), d, eps)  # every warp calls it: a barrier under the simulator
-            total = warp_sum(acc)
-            if lane == 0 and e < n_expert:
-                p[e] = total * inv
-        cuda.syncthreads()  # every logit is in
-        # 2. The softmax over all E and the top K, in every warp alike (each warp reduction is
-        # then reached by all of them, as the simulator needs), lane l holding experts l and
-        # l + 32: the max and the sum of the exps are warp reductions, so each lane takes
-        # one exp and one division per expert it holds, and no barrier comes between them.
-        # Warp 0 puts the probabilities in shared memory for the ranks (the one barrier).
-        l0 = p[e0] if e0 < n_expert else NEG_INF
-        l1 = p[e1] if e1 < n_expert else NEG_INF
-        top = warp_max(max(l0, l1))
-        ex0 = math.exp(l0 - top) if e0 < n_expert else float32(0.0)
-        ex1 = math.exp(l1 - top) if e1 < n_expert else float32(0.0)
-        total = warp_sum(ex0 + ex1)
-        prob0, prob1 = ex0 / total, ex1 / total
-        probs = cuda.shared.array(MAX_EXPERTS, float32)  # (E,) the probabilities
-        if warp == 0:
-            if e0 < n_expert:
-                probs[e0] = prob0
-            if e1 < n_expert:
-                probs[e1] = prob1
-        cuda.syncthreads()
-        rank0 = rank_of(probs, n_expert, e0, prob0) if e0 < n_expert else k
-        rank1 = rank_of(probs, n_expert, e1, prob1) if e1 < n_expert else k
-        kept = warp_sum((prob0 if rank0 < k else float32(0.0)) + (prob1 if rank1 < k else float32(0.0)))
-        # 3. The writes and the cache's counting, by warp 0's lanes of the chosen experts, in
-        # parallel; meanwhile the other warps write the experts' input for expert_gate_up (a
-        # strided share of the row each, from values still in L1)
-        if warp == 0:
-            if rank0 < k:
-                write_choice(t, e0, rank0, prob0, kept, slot0, chosen, weights, slot_of, at, lookups, hits, counted)
-            if rank1 < k:
-                write_choice(t, e1, rank1, prob1, kept, slot1, chosen, weights, slot_of, at, lookups, hits, counted)
-        else:
-            j = tid - WARP
-            while j < d:
-                x_norm[t, j] = x[t, j] * inv * norm[j]
-                j += cuda.blockDim.x - WARP
-
-    return waits_for_inputs(route_kernel)
+    return route_kernel
 
 
 ROUTE_KERNELS = {qtype: make_route_kernel(part, nibbles) for qtype, (part, _, _, nibbles) in QTYPES.items()}
 # --8<-- [end:route_kernel]
 
 
-def route(x, norm, eps, raw, qtype, x_norm, chosen, weights, slot_of, res, at, lookups, hits, plain: bool = False,
-          last=None):
+def route(x, norm, eps, raw, qtype, x_norm, chosen, weights, slot_of, res, at, lookups, hits, last=None):
     """Like route_ref, on the device, with the router as its GGUF rows: raw (E, bytes)
-    uint8 of type qtype. NumPy arguments are moved (outputs written back). plain: run
-    route_kernel1. last: as route_ref's, (1,) int32 in device memory or NumPy."""
+    uint8 of type qtype. NumPy arguments are moved (outputs written back). last: as
+    route_ref's, (1,) int32 in device memory or NumPy."""
     expect("x", x, np.float32, (None, None))
     n, d = x.shape
     assert d <= MAX_DIM, f"D = {d}; the router kernel holds a row of at most {MAX_DIM}"
     expect("norm", norm, np.float32, (d,))
     expect("raw", raw, np.uint8, (None, row_bytes(qtype, d)))
     n_expert = raw.shape[0]
-    assert 1 <= n_expert <= min(MAX_EXPERTS, ROUTE_THREADS, 2 * WARP), \
-        f"{n_expert} experts; the router kernel holds at most {min(MAX_EXPERTS, ROUTE_THREADS, 2 * WARP)}"
+    assert 1 <= n_expert <= MAX_EXPERTS, f"{n_expert} experts; the router kernel holds at most {MAX_EXPERTS}"
     expect("x_norm", x_norm, np.float32, (n, d))
     expect("chosen", chosen, np.int32, (n, None))
     k = chosen.shape[1]
@@ -400,7 +226,7 @@ def route(x, norm, eps, raw, qtype, x_norm, chosen, weights, slot_of, res, at, l
         return
     with DeviceArgs() as dev:
         ra, rb = weight_views(dev.read(raw), qtype)
-        (ROUTE_KERNELS1 if plain else ROUTE_KERNELS)[qtype][n, ROUTE_THREADS, stream()](
+        ROUTE_KERNELS[qtype][n, ROUTE_THREADS, stream()](
             dev.read(x), dev.read(norm), np.float32(eps), ra, rb, dev.write(x_norm), dev.write(chosen),
             dev.write(weights), dev.write(slot_of), dev.read(res), np.int32(at), dev.write(lookups), dev.write(hits),
             absent((0,), np.int32) if last is None else dev.read(last))

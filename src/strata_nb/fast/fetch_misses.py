@@ -1,5 +1,7 @@
-"""A prompt chunk's missed experts, each read over the bus once: copied into a transit slot
-of the slot pool, and the chunk's lookups of it pointed there.
+"""No plain twin: the plain tier reads a prompt chunk's missed experts in place, over the
+bus once for each token that chose them (kernels/experts/expert_rows.py). This kernel buys
+each missed expert crossing the bus once a chunk: copied into a transit slot of the slot
+pool, and the chunk's lookups of it pointed there.
 
     for each expert e of the layer that some token of the chunk chose, and no slot holds:
         slots[transit + e] = host[layer * E + e]            (gate|up and down)
@@ -8,9 +10,9 @@ of the slot pool, and the chunk's lookups of it pointed there.
 Index legend: T tokens, K experts a token, E experts a layer, N slots of the cache.
 
 A decode step's miss is one token's: its rows cross the bus once, read by the expert
-kernels themselves (expert_rows.py). A prompt chunk's tokens choose the same few experts
-over and over, and each choice's thread blocks would read its expert's rows over the bus
-again: a chunk of T tokens would move its missed experts T times. So for a chunk the
+kernels themselves (kernels/experts/expert_rows.py). A prompt chunk's tokens choose the
+same few experts over and over, and each choice's thread blocks would read its expert's
+rows over the bus again: a chunk of T tokens would move its missed experts T times. So for a chunk the
 engine runs this kernel between the router and the experts: each missed expert crosses
 the bus once, into one of E transit slots after the cache's N (experts/cache.py), and the
 expert kernels read it there as a hit. The transit slots are never in the residency
@@ -19,8 +21,8 @@ table: the next layer's chunk writes them again, and no decode step reads them.
 The grid is (E, blocks an expert): each block of expert e first asks whether any token
 chose it (every block scans `chosen` itself, from L2, so no block waits for another),
 and whether it is a miss; if so it copies its strided share of the expert's words, loads
-before stores (FETCH_LOADS words in flight a thread, as stage_rows), and the first block
-points the chunk's lookups at the transit slot. The bytes are the host copy's, so the
+before stores (FETCH_LOADS words in flight a thread, as fast/expert_rows.py's
+stage_rows), and the first block points the chunk's lookups at the transit slot. The bytes are the host copy's, so the
 experts compute the same bits as from the host copy or a slot.
 """
 from __future__ import annotations
