@@ -137,7 +137,7 @@ def prefill_logits(path, slots):
 
 def test_a_prompt_chunk_reads_each_missed_expert_from_its_transit_slot(copies):
     """A prompt chunk copies each expert it misses into a transit slot once
-    (kernels/experts/fetch_misses.py) and its expert kernels read it there: with no slot
+    (fast/fetch_misses.py) and its expert kernels read it there: with no slot
     at all, the logits of every expert resident, bit for bit, and each expert the chunk
     chose is in its transit slot afterwards."""
     want, _ = prefill_logits(copies, "auto")
@@ -156,7 +156,7 @@ def test_negative_control_a_lookup_pointed_at_a_transit_slot_never_filled_is_cau
     """fetch_misses pointing the chunk's lookups at the transit slots but copying nothing
     into them (they hold zeros; the copies file's experts are all alike, so only missing
     bytes show): the chunk's logits change, so the test above can fail."""
-    from strata_nb.backend import cuda_backend
+    from strata_nb.fast import backend as cuda_backend
 
     fetch = cuda_backend.fetch_misses
 

@@ -80,7 +80,7 @@ class ExpertCache:
         self.expert_bytes = gate_up[0].nbytes + down[0].nbytes
         self.host_gate_up, self.host_down = be.expert_host_copy(gate_up, self.qtype), be.expert_host_copy(down, self.qtype)
         # Where a miss crosses a bus (the cuda backend), a prompt chunk copies each expert it
-        # misses once into one of E transit slots after the N (kernels/experts/fetch_misses.py)
+        # misses once into one of E transit slots after the N (fast/fetch_misses.py)
         self.transit = self.n_slots  # the first transit slot
         self.n_transit = self.n_expert if be.misses_cross_a_bus and self.n_slots < n else 0
         self.slot_gate_up = be.expert_slots(self.n_slots + self.n_transit, self.host_gate_up)  # (N + transit, 2F, *)

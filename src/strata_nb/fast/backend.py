@@ -19,14 +19,14 @@ from numba import cuda
 from ..backend.cuda_backend import CudaBackend, DeviceMatrix
 from ..errors import StrataError
 from ..kernels.dense import matmul, matmul_mma, matvec
-from ..kernels.experts.expert_down import expert_down
-from ..kernels.experts.expert_gate_up import expert_gate_up
-from ..kernels.experts.fetch_misses import fetch_misses
-from ..kernels.experts.route import route
+from .expert_down import expert_down
+from .expert_gate_up import expert_gate_up
+from .fetch_misses import fetch_misses
+from .route import route
 from ..gpu import dependent_launch, fast_launch, tensor_core
 from ..gpu.geometry import SIMULATED
 from ..gpu.launch import device_empty
-from .twins import fast_or_plain
+from .twins import fast_or_plain, load_twins
 
 
 def _rows(matrix: DeviceMatrix | None):
@@ -36,6 +36,10 @@ def _rows(matrix: DeviceMatrix | None):
 class FastCudaBackend(CudaBackend):
     kernels = "fast"
     _mma: bool | None = None  # prompt matmuls on tensor cores: _tensor_cores() asks once
+
+    def __init__(self):
+        super().__init__()
+        load_twins()  # every fast module imported: each registers its twins as it loads
 
     _tiled_from = matvec.MAX_ROWS + 1  # rows from which a product takes the tiled matmul
 

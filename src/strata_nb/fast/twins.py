@@ -31,6 +31,17 @@ def twin_of(plain_launcher):
     return register
 
 
+def load_twins():
+    """Import every module of the fast tier, so each has registered its twins."""
+    import importlib
+    import pkgutil
+
+    import strata_nb.fast as fast
+
+    for module in pkgutil.iter_modules(fast.__path__):
+        importlib.import_module(f"strata_nb.fast.{module.name}")
+
+
 def fast_or_plain(launcher):
     """The twin registered for `launcher`, else `launcher` itself."""
     return TWINS.get(launcher, launcher)
