@@ -21,7 +21,7 @@ from numba import cuda  # noqa: E402
 
 from strata_nb.kernels.experts import expert_down as down_mod  # noqa: E402
 from strata_nb.kernels.experts import expert_gate_up as gate_up_mod  # noqa: E402
-from strata_nb.kernels.dense import matvec  # noqa: E402
+from strata_nb.fast.matvec_fused import matvec_fused  # noqa: E402
 from strata_nb.kernels.experts.route import route  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -46,8 +46,8 @@ def main():
     gu_out = cuda.device_array((1, 2 * 1536), np.float32)
 
     def dense():
-        matvec.matvec(x, dense_gu, QTYPE, gu_out, norm=norm, eps=1e-5)
-        matvec.matvec(gu_out, dense_down, QTYPE, x, swiglu=True, add=True)
+        matvec_fused(x, dense_gu, QTYPE, gu_out, norm=norm, eps=1e-5)
+        matvec_fused(gu_out, dense_down, QTYPE, x, swiglu=True, add=True)
 
     print(f"dense FFN (F 1536), two matvecs:  {replayed(dense):7.1f} us")
     for name, e, f, k in (("split", 8, 192, 8), ("copies", 8, 1536, 2)):
