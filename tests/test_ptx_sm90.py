@@ -59,7 +59,7 @@ def test_warps_the_register_file_holds():
 def test_a_factory_kernel_is_named_by_what_it_was_made_from():
     """Kernels made by one factory share a name and a line: the arguments they were made
     from tell them apart, the same under the simulator as in the compiling process."""
-    import strata_nb.kernels.dense.matvec as mv
+    import strata_nb.fast.matvec_fused as mv
 
     normed = mv.MATVEC_KERNELS["Q8_0", "normed", "store", 1]
     gated = mv.MATVEC_KERNELS["Q4_1", "gated", "add", mv.ROW_GROUP]

@@ -157,12 +157,12 @@ def matvec_fused_cases(versions: dict) -> None:
     from numba import cuda
 
     import kernel_bench as kb
-    import strata_nb.kernels.dense.matvec as mv
+    import strata_nb.fast.matvec_fused as mv
     from strata_nb.kernels.dense.gguf_rows import row_bytes
 
     def matvec(module, *args, **kw):
         mv.MATVEC_KERNELS = module.MATVEC_KERNELS  # the table the launcher picks from
-        mv.matvec(*args, **kw)
+        mv.matvec_fused(*args, **kw)
 
     for name, (qtype, n_out, n_in, kind) in kb.MATVEC_SHAPES.items():
         w = cuda.to_device(kb.rng.integers(0, 64, (n_out, row_bytes(qtype, n_in)), dtype=np.uint8))

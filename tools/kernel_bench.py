@@ -18,8 +18,7 @@ import numpy as np
 from numba import cuda
 
 import strata_nb.kernels.attention.attention as at
-import strata_nb.kernels.dense.matvec as mv
-import strata_nb.kernels.dense.matvec_fused as mvf
+import strata_nb.fast.matvec_fused as mvf
 from strata_nb.bench.profile import kernel_times
 from strata_nb.kv_layout import pool_arrays
 from strata_nb.kv_layout import all_blocks_upto
@@ -77,21 +76,21 @@ def fused(kind, norm):
 
 
 def matvecs():
-    weights = {k: cuda.to_device(rng.integers(0, 64, (o, mv.row_bytes(q, i)), dtype=np.uint8))
+    weights = {k: cuda.to_device(rng.integers(0, 64, (o, mvf.row_bytes(q, i)), dtype=np.uint8))
                for k, (q, o, i, _) in MATVEC_SHAPES.items()}
     x = cuda.to_device(rng.standard_normal((1, 3072)).astype(np.float32))
     norm = cuda.to_device(np.ones(576, np.float32))
-    default = mv.ROWS
+    default = mvf.ROWS
     for rows in (2, 4, 8):
-        mv.ROWS, mv.MATVEC_KERNELS = rows, mvf.matvec_kernels(rows)
+        mvf.ROWS, mvf.MATVEC_KERNELS = rows, mvf.matvec_kernels(rows)
         times = []
         for name, (qtype, n_out, n_in, kind) in MATVEC_SHAPES.items():
             y = cuda.device_array((1, n_out), np.float32)
             xs = x[:, :2 * n_in] if kind == "gated" else x[:, :n_in]
-            t = us(lambda: mv.matvec(xs, weights[name], qtype, y, **fused(kind, norm[:n_in])), 50)
+            t = us(lambda: mvf.matvec_fused(xs, weights[name], qtype, y, **fused(kind, norm[:n_in])), 50)
             times.append(f"{name} {sum(t.values()):.1f}")
         print(f"matvec, {rows} rows of W per block (us): " + ", ".join(times), flush=True)
-    mv.ROWS, mv.MATVEC_KERNELS = default, mvf.matvec_kernels(default)
+    mvf.ROWS, mvf.MATVEC_KERNELS = default, mvf.matvec_kernels(default)
 
 
 def selection():

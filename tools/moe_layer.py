@@ -20,7 +20,7 @@ os.environ.setdefault("STRATA_NB_GPU", "1")
 from numba import cuda  # noqa: E402
 
 from strata_nb.fast import expert_down as fast_down, expert_gate_up as fast_gate_up, route as fast_route  # noqa: E402
-from strata_nb.kernels.dense import matvec  # noqa: E402
+from strata_nb.fast.matvec_fused import matvec_fused  # noqa: E402
 from strata_nb.kernels.experts import expert_down as plain_down, expert_gate_up as plain_gate_up  # noqa: E402
 from strata_nb.kernels.experts import route as plain_route  # noqa: E402
 
@@ -46,8 +46,8 @@ def main():
     gu_out = cuda.device_array((1, 2 * 1536), np.float32)
 
     def dense():
-        matvec.matvec(x, dense_gu, QTYPE, gu_out, norm=norm, eps=1e-5)
-        matvec.matvec(gu_out, dense_down, QTYPE, x, swiglu=True, add=True)
+        matvec_fused(x, dense_gu, QTYPE, gu_out, norm=norm, eps=1e-5)
+        matvec_fused(gu_out, dense_down, QTYPE, x, swiglu=True, add=True)
 
     print(f"dense FFN (F 1536), two matvecs:  {replayed(dense):7.1f} us")
     for name, e, f, k in (("split", 8, 192, 8), ("copies", 8, 1536, 2)):

@@ -1,4 +1,4 @@
-"""The KV append in the q|k|v matvec's epilogue (kernels/dense/matvec_fused.py, "Appending in the
+"""The KV append in the q|k|v matvec's epilogue (fast/matvec_fused.py, "Appending in the
 epilogue"): a decode step's fp16/fp32 cells written by the product that makes them,
 through the one writer's device body (kv_append_fp16.store_cell).
 
@@ -11,9 +11,9 @@ import pytest
 from numba import cuda
 
 from conftest import ON_GPU
-from strata_nb.kernels.dense import matvec as matvec_module, matvec_fused
+from strata_nb.fast import matvec_fused
+from strata_nb.fast.matvec_fused import matvec_fused_ref
 from strata_nb.kernels.kv.kv_append_fp16 import kv_append_fp16, store_cell
-from strata_nb.kernels.dense.matvec import matvec, matvec_ref
 from strata_nb.kv_layout import BLOCK
 from test_dense_kernels import quantized
 
@@ -58,7 +58,7 @@ def test_append_epilogue_writes_what_kv_append_fp16_writes(monkeypatch, fmt, war
 
     pool0, host0 = cache(3), (cache(4) if with_host else [np.zeros((0, n_kv, BLOCK, hd), dtype)] * 2)
     y = np.full((1, n_out), np.nan, np.float32)  # the unfused pair: rope epilogue, then the append kernel
-    matvec(x, raw, "Q4_1", y, norm=norm, eps=1e-5, rope=rope, warps=warps)
+    matvec_fused.matvec_fused(x, raw, "Q4_1", y, norm=norm, eps=1e-5, rope=rope, warps=warps)
     pool, host = [a.copy() for a in pool0], [a.copy() for a in host0]
     k_new, v_new = (np.ascontiguousarray(y[:, a:a + n_kv * hd].reshape(1, n_kv, hd))
                     for a in (n_heads * hd, (n_heads + n_kv) * hd))
@@ -70,8 +70,8 @@ def test_append_epilogue_writes_what_kv_append_fp16_writes(monkeypatch, fmt, war
     def fused():
         got_y = np.full((1, n_out), np.nan, np.float32)
         got_pool, got_host = [a.copy() for a in pool0], [a.copy() for a in host0]
-        matvec(x, raw, "Q4_1", got_y, norm=norm, eps=1e-5, rope=rope, warps=warps,
-               append=(positions, page_table, *got_pool, *got_host))
+        matvec_fused.matvec_fused(x, raw, "Q4_1", got_y, norm=norm, eps=1e-5, rope=rope, warps=warps,
+                                  append=(positions, page_table, *got_pool, *got_host))
         return got_y, got_pool, got_host
 
     got_y, got_pool, got_host = fused()
@@ -81,8 +81,8 @@ def test_append_epilogue_writes_what_kv_append_fp16_writes(monkeypatch, fmt, war
         assert got_host[side].tobytes() == host[side].tobytes()
     ref_pool, ref_host = [a.copy() for a in pool0], [a.copy() for a in host0]
     ref_y = np.zeros((1, n_out), np.float32)
-    matvec_ref(x, raw, "Q4_1", ref_y, norm=norm, eps=1e-5, rope=rope,
-               append=(positions, page_table, *ref_pool, *ref_host))
+    matvec_fused_ref(x, raw, "Q4_1", ref_y, norm=norm, eps=1e-5, rope=rope,
+                     append=(positions, page_table, *ref_pool, *ref_host))
     ref_v = ref_y[:, (n_heads + n_kv) * hd:].reshape(n_kv, hd)
     if with_host:  # the reference appends its own y's k and v
         assert ref_host[1][position // BLOCK, :, position % BLOCK].tobytes() == ref_v.astype(dtype).tobytes()
@@ -90,8 +90,8 @@ def test_append_epilogue_writes_what_kv_append_fp16_writes(monkeypatch, fmt, war
         assert ref_pool[1][0, :, position % BLOCK].tobytes() == ref_v.astype(dtype).tobytes()
 
     if with_host:  # negative control: V's host cell is lost, and the comparisons above see it
-        monkeypatch.setattr(matvec_module, "MATVEC_KERNELS",
-                            matvec_fused.matvec_kernels(matvec_module.ROWS, store=store_cell_v_host_dropped))
+        monkeypatch.setattr(matvec_fused, "MATVEC_KERNELS",
+                            matvec_fused.matvec_kernels(matvec_fused.ROWS, store=store_cell_v_host_dropped))
         bad_y, bad_pool, bad_host = fused()
         assert bad_y.tobytes() == y.tobytes() and bad_pool[1].tobytes() == pool[1].tobytes()
         assert bad_host[0].tobytes() == host[0].tobytes()

@@ -15,7 +15,7 @@ from strata_nb.fast.backend import FastCudaBackend
 from strata_nb.backend.numpy_backend import NumpyBackend
 from strata_nb.engine.engine import Engine
 from strata_nb.kernels.kv import kv_append_fp16 as append_module
-from strata_nb.kernels.dense import matvec as matvec_module, matvec_fused
+from strata_nb.fast import matvec_fused
 from strata_nb.model.gguf_file import GGUFModel
 from strata_nb.model.synthetic import write_synthetic_gguf
 from strata_nb.settings import Settings
@@ -84,8 +84,8 @@ def test_streamed_replayed_steps_equal_resident_ones(model, prompt_cells, reside
 def test_a_dropped_v_host_write_in_the_epilogue_breaks_it(model, prompt_cells, resident, monkeypatch):
     """The class of Strata #1188: step 15 still reads its cell from the ring (equal); step
     16 reads block 0 from the host copy, where cell 15's V was never written."""
-    monkeypatch.setattr(matvec_module, "MATVEC_KERNELS",
-                        matvec_fused.matvec_kernels(matvec_module.ROWS, store=store_cell_v_host_dropped))
+    monkeypatch.setattr(matvec_fused, "MATVEC_KERNELS",
+                        matvec_fused.matvec_kernels(matvec_fused.ROWS, store=store_cell_v_host_dropped))
     streamed = replayed_logits(model, prompt_cells, 80)
     assert streamed[0].tobytes() == resident[0].tobytes()
     assert np.abs(streamed[1] - resident[1]).max() > 1e-3 * np.abs(resident[1]).max()

@@ -27,7 +27,7 @@ from kernels.test_dense_kernels import assert_within, quantized
 from strata_nb.fast import expert_down as fast_down, expert_gate_up as fast_gate_up, route as fast_route
 from strata_nb.fast.expert_rows import stage_words
 from strata_nb.gpu.launch import DeviceArgs
-from strata_nb.kernels.dense.matvec_fused import read_ahead_ref
+from strata_nb.fast.matvec_fused import read_ahead_ref
 from strata_nb.kernels.dense.rmsnorm import rmsnorm_tolerance
 from strata_nb.kernels.experts import expert_down as plain_down, expert_gate_up as plain_gate_up, route as plain_route
 from strata_nb.kernels.experts.expert_down import down_tolerance, expert_down_ref

@@ -15,8 +15,8 @@ from strata_nb.gpu import tensor_core
 from strata_nb.gpu.tensor_core import PLACES, TILE_K, TILE_M, TILE_N, fragment_places, mma_f32, mma_ref
 from strata_nb.kernels.attention import attention_prefill, attention_prefill_mma as mma_prompt
 from strata_nb.kernels.attention.attention import ATOL, RTOL, attention, attention_ref
-from strata_nb.kernels.dense.matmul import matmul_ref
-from strata_nb.kernels.dense.matmul_mma import matmul_mma
+from strata_nb.fast.matmul_mma import matmul_mma
+from strata_nb.kernels.dense.matmul import matmul, matmul_ref
 from strata_nb.kernels.dense.matvec import dot_tolerance
 from strata_nb.kv_layout import all_blocks_upto, shared_blocks_upto
 from strata_nb.model.dequant import dequantize
@@ -104,15 +104,18 @@ def test_quad_reductions_give_each_group_its_own():
 @pytest.mark.parametrize("qtype, n, shape", MATMUL_CASES)
 def test_the_tensor_core_matmul_matches_the_reference(qtype, n, shape):
     """Every weight type, tiles of W and of x cut short (64 x 64 on a GPU, 32 x 32 under the
-    simulator), within the fast kernel's bound (matvec.dot_tolerance)."""
+    simulator), within the plain kernel's bound (matvec.dot_tolerance) of the reference, and
+    of its plain twin (kernels/dense/matmul.py): each sums the same products, in another
+    order, within (in + 1) u sum |x w| of the exact sums, so not the plain kernel's bits."""
     check_product(matmul_mma, qtype, n, shape, matmul_ref)
+    check_product(matmul_mma, qtype, n, shape, matmul)
 
 
 def test_split_sums_have_the_unsplit_bits():
     """`in` cut into segments (160 values: 2 of 64 and a short one of 32), each on its own
     thread block and added up by sum_segments_kernel, gives the bits of one thread block
     walking them all; and a row's bits do not depend on the rows beside it (rows alone)."""
-    from strata_nb.kernels.dense import matmul_mma as mm
+    from strata_nb.fast import matmul_mma as mm
 
     qtype, n, shape = "Q4_1", 20, (37, 160)
     n_segments = -(-shape[1] // (32 * mm.SEGMENT_BLOCKS))
@@ -245,7 +248,7 @@ def test_a_prefill_on_tensor_cores_matches_the_numpy_engine(tiny_model, monkeypa
     from strata_nb.fast.backend import FastCudaBackend
     from strata_nb.backend.numpy_backend import NumpyBackend
     from strata_nb.engine.engine import Engine
-    from strata_nb.kernels.dense import matmul_mma as mm
+    from strata_nb.fast import matmul_mma as mm
     from strata_nb.model.gguf_file import GGUFModel
     from strata_nb.settings import Settings
 

@@ -9,8 +9,8 @@ from attention_cases import PAGE_TABLE, filled_cache, queries, run
 from kernels.test_dense_kernels import quantized
 from strata_nb.backend.numpy_backend import NumpyBackend
 from strata_nb.kernels.attention.attention import attention_ref
-from strata_nb.kernels.dense.matvec import matvec_ref, product_ref
-from strata_nb.kernels.dense.matvec_fused import MAX_ROWS
+from strata_nb.fast.matvec_fused import matvec_fused_ref
+from strata_nb.kernels.dense.matvec import MAX_ROWS, product_ref
 from strata_nb.kernels.experts.expert_down import expert_down_ref
 from strata_nb.kernels.experts.expert_gate_up import expert_gate_up_ref
 from strata_nb.kernels.experts.moe import moe_ffn_ref
@@ -42,7 +42,7 @@ def test_a_product_s_row_is_the_same_alone_or_in_a_window(n_in, n_out):
     same_bytes(product_ref(more, w), more @ w.T)
 
 
-def test_matvec_ref_s_row_is_the_same_alone_or_in_a_window():
+def test_matvec_fused_ref_s_row_is_the_same_alone_or_in_a_window():
     """The fused forms too: the norm before, the residual add after."""
     n, n_in, n_out = 5, 256, 96
     x = rng.standard_normal((n, n_in)).astype(np.float32)
@@ -52,7 +52,7 @@ def test_matvec_ref_s_row_is_the_same_alone_or_in_a_window():
 
     def product(rows):
         y = y0[rows].copy()
-        matvec_ref(x[rows], raw, "Q8_0", y, norm=norm, eps=1e-5, add=True)
+        matvec_fused_ref(x[rows], raw, "Q8_0", y, norm=norm, eps=1e-5, add=True)
         return y
     same_bytes(product(slice(0, n)), each_alone(product, n))
 

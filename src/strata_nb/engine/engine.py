@@ -17,7 +17,7 @@ from ..backend import get_backend
 from ..errors import SettingError, StrataError
 from ..gpu.geometry import SIMULATED
 from ..kernel_cache import CompileProgress, package_kernels
-from ..kernels.dense.matvec_fused import MAX_ROWS
+from ..kernels.dense.matvec import MAX_ROWS
 from ..kernels.step.select_blocks import budget_note
 from ..kv.cache import KVCache
 from ..kv_layout import BLOCK

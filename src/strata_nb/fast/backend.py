@@ -18,10 +18,12 @@ from numba import cuda
 
 from ..backend.cuda_backend import CudaBackend, DeviceMatrix
 from ..errors import StrataError
-from ..kernels.dense import matmul, matmul_mma, matvec
+from ..kernels.dense.matvec import MAX_ROWS
+from . import matmul_mma, matmul_tiled
 from .expert_down import expert_down
 from .expert_gate_up import expert_gate_up
 from .fetch_misses import fetch_misses
+from .matvec_fused import matvec, matvec_fused
 from .route import route
 from ..gpu import dependent_launch, fast_launch, tensor_core
 from ..gpu.geometry import SIMULATED
@@ -41,7 +43,7 @@ class FastCudaBackend(CudaBackend):
         super().__init__()
         load_twins()  # every fast module imported: each registers its twins as it loads
 
-    _tiled_from = matvec.MAX_ROWS + 1  # rows from which a product takes the tiled matmul
+    _tiled_from = MAX_ROWS + 1  # rows from which a product takes the tiled matmul
 
     def _tiled(self, x) -> bool:
         return x.shape[0] >= self._tiled_from
@@ -180,11 +182,11 @@ class FastCudaBackend(CudaBackend):
         # the tiled matmul for a prompt chunk
         y = device_empty((x.shape[0], w.shape[0]), np.float32)
         if not self._tiled(x):
-            matvec.matvec(x, w.raw, w.qtype, y)
+            matvec(x, w.raw, w.qtype, y)
         elif self._tensor_cores():  # a GPU of compute capability 8.0 and up
             matmul_mma.matmul_mma(x, w.raw, w.qtype, y)
         else:
-            matmul.matmul(x, w.raw, w.qtype, y)
+            matmul_tiled.matmul(x, w.raw, w.qtype, y)
         return y
 
     def _tensor_cores(self) -> bool:
@@ -196,12 +198,12 @@ class FastCudaBackend(CudaBackend):
     # A step (<= 8 rows) runs each of these as one matvec launch with the norm, the gate or
     # the add fused in; a prompt chunk runs the separate kernels, as NumpyBackend composes them.
     # `ahead`: the matrix the step multiplies next. The matvec's threads read it into L2
-    # while they work (kernels/dense/matvec_fused.py: reading ahead), so the next launch finds it there.
+    # while they work (fast/matvec_fused.py: reading ahead), so the next launch finds it there.
     def normed_matmul(self, x, norm, eps: float, w: DeviceMatrix, ahead: DeviceMatrix | None = None):
         if self._tiled(x):
             return self.matmul(self.rmsnorm(x, norm, eps), w)
         y = device_empty((x.shape[0], w.shape[0]), np.float32)
-        matvec.matvec(x, w.raw, w.qtype, y, norm=norm, eps=eps, ahead=_rows(ahead))
+        matvec_fused(x, w.raw, w.qtype, y, norm=norm, eps=eps, ahead=_rows(ahead))
         return y
 
     def normed_matmul_rope(self, x, norm, eps: float, w: DeviceMatrix, cos, sin, n_heads: int, n_kv: int, hd: int,
@@ -215,7 +217,7 @@ class FastCudaBackend(CudaBackend):
         else:
             qkv = device_empty((1, w.shape[0]), np.float32)
             fused = append is not None and append.in_epilogue
-            matvec.matvec(x, w.raw, w.qtype, qkv, norm=norm, eps=eps, rope=(cos, sin, n_heads, n_kv),
+            matvec_fused(x, w.raw, w.qtype, qkv, norm=norm, eps=eps, rope=(cos, sin, n_heads, n_kv),
                           append=append.epilogue_args() if fused else None, ahead=_rows(ahead))
             edges = np.cumsum([0, n_heads * hd, n_kv * hd, n_kv * hd])
             q, k, v = (qkv[0, a:b].reshape(1, heads, hd)
@@ -229,13 +231,13 @@ class FastCudaBackend(CudaBackend):
     def matmul_add_(self, x, a, w: DeviceMatrix, ahead: DeviceMatrix | None = None):
         if self._tiled(x):
             return self.add_(x, self.matmul(a, w))
-        matvec.matvec(a, w.raw, w.qtype, x, add=True, ahead=_rows(ahead))
+        matvec_fused(a, w.raw, w.qtype, x, add=True, ahead=_rows(ahead))
         return x
 
     def gated_matmul_add_(self, x, gate_up, w: DeviceMatrix, ahead: DeviceMatrix | None = None):
         if self._tiled(x):
             return self.add_(x, self.matmul(self.swiglu(gate_up), w))
-        matvec.matvec(gate_up, w.raw, w.qtype, x, swiglu=True, add=True, ahead=_rows(ahead))
+        matvec_fused(gate_up, w.raw, w.qtype, x, swiglu=True, add=True, ahead=_rows(ahead))
         return x
 
     def moe_ffn_add_(self, x, norm, eps: float, router: DeviceMatrix, experts, layer: int,
@@ -253,7 +255,7 @@ class FastCudaBackend(CudaBackend):
         x_norm = device_empty(x.shape, np.float32)
         route(x, norm, eps, router.raw, router.qtype, x_norm, chosen, weights, slot_of, experts.res, at,
               experts.lookups, experts.hits, last=last)
-        if n > matvec.MAX_ROWS and experts.n_transit:
+        if n > MAX_ROWS and experts.n_transit:
             fetch_misses(chosen, slot_of, experts.res, at, *experts.words, experts.transit)
         expert_gate_up(x_norm, chosen, slot_of, at, experts.slot_gate_up, experts.host_gate_up, experts.qtype, h,
                        ahead=(experts.slot_down, experts.host_down), stage=experts.can_miss)

@@ -35,8 +35,10 @@ from strata_nb.gpu.dependent_launch import let_next_start, wait_for_inputs, wait
 from strata_nb.gpu.geometry import EXPERT_GATE_UP_WARPS
 from strata_nb.gpu.launch import DeviceArgs, absent, expect, inline_device, stream, view_bytes
 from strata_nb.gpu.reduce import WARP, warp_sum
-from strata_nb.kernels.dense.gguf_rows import CODES, PART, PARTS, QK, QTYPES, STEPS, part_runs
-from strata_nb.kernels.dense.matvec_fused import AHEAD, MAX_ROWS, ROWS, SECTOR, SUM_WARPS
+from strata_nb.fast.gguf_fetch import CODES, QTYPES, STEPS
+from strata_nb.fast.matvec_fused import AHEAD, ROWS, SECTOR, SUM_WARPS
+from strata_nb.kernels.dense.gguf_rows import PART, PARTS, QK, part_runs
+from strata_nb.kernels.dense.matvec import MAX_ROWS
 from strata_nb.kernels.experts import expert_gate_up as plain
 from strata_nb.kernels.experts.expert_rows import expert_views
 

@@ -28,7 +28,8 @@ from numba import cuda, float32
 from strata_nb.fast.twins import relaunch, twin_of
 from strata_nb.gpu.dependent_launch import wait_for_inputs, waits_for_inputs
 from strata_nb.gpu.reduce import NEG_INF, WARP, warp_max, warp_sum
-from strata_nb.kernels.dense.gguf_rows import PART, PARTS, QK, QTYPES, part_runs
+from strata_nb.fast.gguf_fetch import QTYPES
+from strata_nb.kernels.dense.gguf_rows import PART, PARTS, QK, part_runs
 from strata_nb.kernels.dense.rmsnorm import inv_rms
 from strata_nb.kernels.experts import route as plain
 from strata_nb.kernels.experts.route import MAX_EXPERTS, is_counted, write_choice

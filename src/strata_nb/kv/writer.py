@@ -8,7 +8,7 @@ speculative cells need no invalidation: they are simply written over.
 The forward pass hands each layer's `Append` (where its new cells go, room already made)
 to the q|k|v product that makes k and v. The product writes them through `Append.write`,
 or, for a decode step's fp16/fp32 cells on the cuda backend, in its own epilogue
-(kernels/dense/matvec_fused.py, "Appending in the epilogue") through kv_append_fp16's device body:
+(fast/matvec_fused.py, "Appending in the epilogue") through kv_append_fp16's device body:
 the same rule, one launch fewer a layer.
 """
 from __future__ import annotations

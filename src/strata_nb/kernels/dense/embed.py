@@ -18,7 +18,6 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda, float32
 
-from strata_nb.gpu.dependent_launch import let_next_start, wait_for_inputs, waits_for_inputs
 from strata_nb.gpu.launch import DeviceArgs, expect, grid_for, is_host_numpy
 from strata_nb.kernels.dense.gguf_rows import PART, PARTS, QK, QTYPES, part_runs, row_values, weight_views
 from strata_nb.model.dequant import dequantize
@@ -35,13 +34,10 @@ def embed_ref(table,  # (rows, d) float32 when qtype is None, else (rows, bytes_
 
 
 # --8<-- [start:embed_kernel]
-@waits_for_inputs
 @cuda.jit(cache=True)
 def embed_rows_kernel(table,  # (rows, d) float32
                       ids,    # (n,) int32
                       out):   # (n, d) float32, written
-    wait_for_inputs()
-    let_next_start()  # a dependent launch: gpu/dependent_launch.py
     lane = cuda.grid(1)  # one value of one gathered row
     d = out.shape[1]
     if lane < ids.shape[0] * d:
@@ -55,8 +51,6 @@ def make_embed_kernel(part, nibbles):
                      b,    # (rows, *) view b of the same bytes
                      ids,  # (n,) int32
                      out):  # (n, d) float32, written
-        wait_for_inputs()
-        let_next_start()  # a dependent launch: gpu/dependent_launch.py
         lane = cuda.grid(1)  # one part (8 values) of one gathered row
         n_parts = out.shape[1] // PART
         if lane < ids.shape[0] * n_parts:
@@ -69,7 +63,7 @@ def make_embed_kernel(part, nibbles):
                 out[i, blk * QK + lo + j] = w[j]
                 out[i, blk * QK + hi + j] = w[4 + j]
 
-    return waits_for_inputs(embed_kernel)
+    return embed_kernel
 
 
 EMBED_KERNELS = {qtype: make_embed_kernel(part, nibbles) for qtype, (part, _, _, nibbles) in QTYPES.items()}

@@ -18,7 +18,7 @@ Positions within one call are distinct.
 
 The rule is one device function, `store_cell` (with `cell_home`, the lookup), called per
 value by this kernel and by the q|k|v matvec's epilogue, which writes a decode step's
-new fp16/fp32 cell in its own launch (kernels/dense/matvec_fused.py, "Appending in the epilogue").
+new fp16/fp32 cell in its own launch (fast/matvec_fused.py, "Appending in the epilogue").
 """
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ def store_cell(side,        # 0: a K value, 1: a V value
     """The one writer's device body, for one value: the VRAM slot if the block is resident,
     the host copy if there is one. The append kernel below calls it for every value, and so
     does the q|k|v matvec of a decode step, whose epilogue writes the step's new cell itself
-    (kernels/dense/matvec_fused.py, "Appending in the epilogue")."""
+    (fast/matvec_fused.py, "Appending in the epilogue")."""
     if slot >= 0:
         pool = k if side == 0 else v
         pool[slot, h, cell, j] = value  # the store casts float32 to the pool's dtype

@@ -1,9 +1,11 @@
-"""y = x @ W.T for a prompt chunk on tensor cores: matmul.py's fast kernel (read it first)
-with its multiply-adds done as warp-wide matrix products (gpu/tensor_core.py).
+"""Plain twin: kernels/dense/matmul.py matmul_kernel. The product on tensor cores: the
+tiled matmul (matmul_tiled.py, read it first) with its multiply-adds done as warp-wide
+matrix products (gpu/tensor_core.py), what a GPU with tensor cores runs for a prompt
+chunk. Within dot_tolerance of the plain kernel, not its bits.
 
 What stays: a thread block per tile of rows of W x rows of x, walking `in` one
 quantization block (32 values) at a time, and the same fetch and stash
-(matmul.make_tile_loader): the next block's weights, dequantized, and values of x are in
+(matmul_tiled.make_tile_loader): the next block's weights, dequantized, and values of x are in
 registers while this block multiplies, then written to the shared tiles k-major,
 [k // 4, k % 4, row].
 
@@ -13,14 +15,14 @@ and the block's 4 warps each own 32 rows of x x 32 rows of W of it (2 along each
 values of k a warp loads its A fragments (x: rows g and g + 8 of each 16, values t and
 t + 4) and B fragments (W: row g of each 8, values t and t + 4) from the shared tiles and
 makes 8 products, three TF32 ones each (`mma_f32`): 24 tensor instructions where the
-fast kernel's warp makes 8 x 32 fused multiply-adds a lane. The tiles' rows are padded by
-4 values, as the fast kernel's: a fragment's 32 loads hit 32 banks (bank 4t + g). The
-tile is smaller than the fast kernel's so that a thread's registers let an SM keep 3
+tiled kernel's warp makes 8 x 32 fused multiply-adds a lane. The tiles' rows are padded by
+4 values, as the tiled kernel's: a fragment's 32 loads hit 32 banks (bank 4t + g). The
+tile is smaller than the tiled kernel's so that a thread's registers let an SM keep 3
 blocks without spilling (launch bounds hold ptxas to that; CHANGELOG.md has the sizes
 that were compiled).
 
 Precision: each output is a float32 sum over k, in blocks of 8 products summed by the
-tensor core, within the same bound as the fast kernel's (matvec.dot_tolerance); the
+tensor core, within the same bound as the tiled kernel's (matvec.dot_tolerance); the
 bits differ from it, so a process uses one or the other (gpu/tensor_core.enabled
 switches this kernel and the prompt attention's together).
 
@@ -44,12 +46,14 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda, float32, uint64
 
+from strata_nb.fast.gguf_fetch import QTYPES
+from strata_nb.fast.matmul_tiled import W_REGS, X_REGS, loader_sizes, make_tile_loader
 from strata_nb.gpu.geometry import MATMUL_MMA_SPLIT_BELOW, MATMUL_MMA_W_THREADS, MATMUL_MMA_X_THREADS, SIMULATED
 from strata_nb.gpu.launch import DeviceArgs, device_empty, grid_for, stream
 from strata_nb.gpu.reduce import WARP
 from strata_nb.gpu.tensor_core import TILE_K, TILE_M, TILE_N, mma_f32
-from strata_nb.kernels.dense.gguf_rows import QK, QTYPES, weight_views
-from strata_nb.kernels.dense.matmul import W_REGS, X_REGS, check, loader_sizes, make_tile_loader
+from strata_nb.kernels.dense.gguf_rows import QK, weight_views
+from strata_nb.kernels.dense.matmul import check
 
 W_THREADS, X_THREADS = MATMUL_MMA_W_THREADS, MATMUL_MMA_X_THREADS  # 16 x 8 on a GPU, 8 x 4 (one warp) simulated
 THREADS = W_THREADS * X_THREADS
@@ -172,9 +176,9 @@ def split_for(n: int, n_in: int, n_out: int) -> int:
 
 
 def matmul_mma(x, raw, qtype, y, splits: int | None = None):
-    """Like matmul.matmul, on tensor cores (needs compute capability 8.0: the caller checks,
-    gpu/tensor_core.available). splits: thread blocks along `in`, 1 or one per segment
-    (the same bits either way); None chooses (split_for)."""
+    """Like kernels/dense/matmul.py matmul, on tensor cores (needs compute capability 8.0:
+    the caller checks, gpu/tensor_core.available). splits: thread blocks along `in`, 1 or
+    one per segment (the same bits either way); None chooses (split_for)."""
     n, n_out = check(x, raw, qtype, y)
     if n == 0 or n_out == 0:
         return

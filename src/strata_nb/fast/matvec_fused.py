@@ -1,13 +1,15 @@
-"""The matvec the engine runs: matvec.py's plain kernel (`matvec_kernel1`, a warp per row
-of W) with the ops around each product fused in, and its thread blocks shaped so that
-more weight loads are in flight at once. A decode step's time is the time to read its
-weights, so each fusion either saves a launch (its fixed cost and its own trip through
-memory) or keeps the weight loads from waiting.
+"""Plain twin: kernels/dense/matvec.py matvec_kernel (y = x @ W.T, a warp per row of W).
+Fuses the ops around each product into it (the norm, SwiGLU, RoPE, the fp16 append, the
+residual add), takes 4 rows of W a thread block and reads the next matrix into L2 ahead:
+the matvec the fast engine runs. A decode step's time is the time to read its weights, so
+each fusion either saves a launch (its fixed cost and its own trip through memory) or
+keeps the weight loads from waiting.
 
-`make_matvec_kernel` builds one kernel per weight type (its dequantizer, gguf_rows.py),
-prologue, epilogue and rows of x a block (1 or 2): MATVEC_KERNELS, 5 x 3 x 4 x 2 of them, each
-compiled the first time it is launched. matvec.py's launcher `matvec` picks one,
-`matvec_ref` is their spec and `fused_tolerance` their tolerance.
+`make_matvec_kernel` builds one kernel per weight type (its dequantizer, gguf_fetch.py),
+prologue, epilogue and rows of x a block (1 or 2): MATVEC_KERNELS, 5 x 3 x 4 x 2 of them,
+each compiled the first time it is launched. The launcher `matvec_fused` picks one,
+`matvec_fused_ref` is their spec and `fused_tolerance` their tolerance. `matvec` is the
+plain launcher's twin (twins.py): the fused kernel with no prologue or epilogue.
 
 What each fusion buys:
 
@@ -53,6 +55,16 @@ kv_append_fp16's `store_cell`, the append kernel's own device body (VRAM slot if
 block is resident, host copy if there is one): one launch fewer a layer. The cell's
 position is loaded before the weights and its page-table entry after their loads are
 out, so neither holds them back.
+
+Tolerance. Unfused, the kernel sums the plain kernel's products in another order (a
+thread's parts of 4 rows, then the warp's tree, then the warps' sums), so the two, and
+each and the reference, are within matvec.py's `dot_tolerance`. A fused prologue computes
+the activations itself, so they may differ from rmsnorm_ref's or swiglu_ref's by those
+kernels' own tolerances ((in + 8) u and 16 u, relatively); through the product that adds
+rtol * sum_i |x_i| |w_i| (`fused_tolerance`). The normed kernel's 1 / rms has rmsnorm's
+error, and scaling the sum rounds once more (u |y|, with |y| <= sum_i |x_i| |w_i|),
+against the one rounding of x * inv it saves per value: within the same bound. A fused
+add rounds once more on each side: 2 u |y| more.
 """
 from __future__ import annotations
 
@@ -61,19 +73,85 @@ import math
 import numpy as np
 from numba import cuda, float32, int32, int64, uint32
 
+from strata_nb.fast.gguf_fetch import QTYPES
+from strata_nb.fast.twins import twin_of
 from strata_nb.gpu.dependent_launch import let_next_start, wait_for_inputs, waits_for_inputs
+from strata_nb.gpu.geometry import MATVEC_MAX_BLOCKS, MATVEC_MAX_WARPS
+from strata_nb.gpu.launch import DeviceArgs, absent, expect, stream
 from strata_nb.gpu.reduce import WARP, warp_sum
-from strata_nb.kernels.dense.gguf_rows import PART, PARTS, QK, QTYPES, part_runs
-from strata_nb.kernels.dense.rmsnorm import inv_rms
-from strata_nb.kernels.kv.kv_append_fp16 import cell_home, store_cell
+from strata_nb.kernels.dense import matvec as plain
+from strata_nb.kernels.dense.gguf_rows import PART, PARTS, QK, part_runs, row_bytes, weight_views
+from strata_nb.kernels.dense.matvec import MAX_ROWS, U, dot_tolerance, product_ref
+from strata_nb.kernels.dense.rmsnorm import inv_rms, rmsnorm_ref
+from strata_nb.kernels.dense.rope import rope_qkv_ref
+from strata_nb.kernels.dense.swiglu import swiglu_ref
+from strata_nb.kernels.kv.kv_append_fp16 import cell_home, expect_dest, kv_append_fp16_ref, store_cell
 from strata_nb.kernels.kv.quant_q4_0 import mul_rn
+from strata_nb.model.dequant import dequantize
 
-MAX_ROWS = 8  # activation rows per call: a decode step (1) or a verify window (<= 8)
 ROW_GROUP = 2  # rows of x a thread block multiplies at most; more go to more thread blocks (grid y)
 ROWS = 4  # rows of W a thread block works through together
 SUM_WARPS = 8  # rows of the shared array the warps' sums meet in
 SECTOR = 32  # bytes: what L2 caches from HBM at a time
 AHEAD = 4  # sectors of the next matvec's rows each thread reads ahead
+# Warps per thread block: enough for one part of each row per thread, at most 8; thread
+# blocks at most 16 per SM of an H200 (a larger W is grid-strided, so the output head's
+# norm is worked out once per thread block, not once per 4 rows). The simulator runs
+# every CUDA thread as a Python thread and wakes them one by one at every barrier: one
+# warp striding over all rows costs the least there.
+MAX_WARPS, MAX_BLOCKS = MATVEC_MAX_WARPS, MATVEC_MAX_BLOCKS
+
+
+# --8<-- [start:matvec_fused_ref]
+def matvec_fused_ref(x,      # (n, in) float32; (n, 2 in) with swiglu: gate values, then up values
+                     raw,    # (out, bytes_per_row) uint8: GGUF rows of W, (out, in) once dequantized
+                     qtype,  # "Q4_0", "Q4_1", "Q8_0", "F16" or "F32"
+                     y,      # (n, out) float32, written (added to, with add)
+                     norm=None, eps=0.0,  # (in,) float32: multiply rmsnorm(x, norm, eps) instead of x
+                     swiglu=False,        # multiply swiglu(x) instead of x
+                     add=False,           # y += x @ W.T instead of y = x @ W.T
+                     rope=None,           # (cos, sin, n_heads, n_kv): rotate y's q and k heads
+                     append=None):        # with rope: (positions, page_table, k, v, host_k, host_v),
+                                          # kv_append_fp16's arguments after k_new, v_new
+    """The decode step's matrix products with what comes before and after them fused in:
+    the norm before q|k|v, gate|up and the output head; RoPE after q|k|v, and the append of
+    its k and v to an fp16/fp32 cache; the residual add after o and down. Each is its
+    reference composed, in the same order."""
+    x = prologue_ref(x, norm, eps, swiglu)
+    if add:
+        y += product_ref(x, dequantize(raw, qtype))
+    elif rope is not None:
+        cos, sin, n_heads, n_kv = rope
+        n, hd = x.shape[0], 2 * cos.shape[1]
+        q, k, v = (np.empty((n, heads, hd), np.float32) for heads in (n_heads, n_kv, n_kv))
+        rope_qkv_ref(product_ref(x, dequantize(raw, qtype)), cos, sin, q, k, v)
+        y[...] = np.concatenate([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], axis=1)
+        if append is not None:
+            kv_append_fp16_ref(k, v, *append)
+    else:
+        y[...] = product_ref(x, dequantize(raw, qtype))
+
+
+def prologue_ref(x, norm, eps, swiglu):
+    """The activations matvec_fused multiplies: x, rmsnorm(x) or swiglu(x)."""
+    if norm is not None:
+        normed = np.empty_like(x)
+        rmsnorm_ref(x, norm, eps, normed)
+        return normed
+    if swiglu:
+        gated = np.empty((x.shape[0], x.shape[1] // 2), np.float32)
+        swiglu_ref(x, gated)
+        return gated
+    return x
+
+
+def fused_tolerance(x, w, norm=None, eps=0.0, swiglu=False):
+    """dot_tolerance of the activations the kernel multiplies, plus what its own rmsnorm or
+    swiglu may differ by from the reference's, carried through |W| (module docstring)."""
+    xs = prologue_ref(x, norm, eps, swiglu)
+    prologue_rtol = (x.shape[1] + 8) * U if norm is not None else (16 * U if swiglu else 0.0)
+    return dot_tolerance(xs, w) + prologue_rtol * (np.abs(xs.astype(np.float64)) @ np.abs(w.astype(np.float64)).T)
+# --8<-- [end:matvec_fused_ref]
 
 
 # What this kernel adds to the plain kernel, each marked as a region the GPU pages include:
@@ -190,10 +268,11 @@ def no_append(o, u0, u1, rope_rows, hd, n_out, home, k, v, host_k, host_v):
 
 # --8<-- [start:matvec_kernel]
 def make_matvec_kernel(part, nibbles, fetch_x, make_x, store_y, normed, x_rows, rows, rope=False, append_pair=None):
-    """The kernel for one weight type (its dequantizer), one prologue (its loads and its
-    arithmetic) and one epilogue,
-    for up to x_rows rows of x a thread block (1: a decode step; ROW_GROUP: a verify
-    window, a group of its rows in each blockIdx.y), `rows` rows of W per thread block. The sizes are compile-time constants so the per-thread arrays
+    """Plain twin: kernels/dense/matvec.py matvec_kernel, with a prologue and an epilogue
+    fused in and `rows` rows of W a thread block. The kernel for one weight type (its
+    dequantizer), one prologue (its loads and its arithmetic) and one epilogue, for up to
+    x_rows rows of x a thread block (1: a decode step; ROW_GROUP: a verify window, a group
+    of its rows in each blockIdx.y). The sizes are compile-time constants so the per-thread arrays
     stay in registers: a 1-row step's kernel holds 4 sums, not 32, and fits more warps on
     an SM to hide the memory's latency. With `rope` the epilogue is y_rope_pair: one
     thread stores each pair of outputs (rows is even, so a pair never straddles blocks);
@@ -433,3 +512,102 @@ def read_ahead_ref(ahead):  # (out, bytes) uint8: what matvec's `ahead` holds
     ahead, XORed over its grid, when the grid's threads cover every sector."""
     return np.bitwise_xor.reduce(np.ascontiguousarray(ahead).reshape(-1)[::SECTOR].astype(np.uint32))
 # --8<-- [end:read_ahead_ref]
+
+
+def matvec_grid(n_out: int, n_in: int, warps: int | None = None) -> tuple[int, int]:
+    """(thread blocks, threads per block) of a matvec launch: `ROWS` rows of W per block
+    (grid-strided past MAX_BLOCKS), one part of each row per thread (at most MAX_WARPS)."""
+    warps = min(MAX_WARPS, -(-n_in // PART // WARP)) if warps is None else warps
+    assert 1 <= warps <= SUM_WARPS, f"{warps} warps per block; the kernel sums at most {SUM_WARPS}"
+    return min(-(-n_out // ROWS), MAX_BLOCKS), warps * WARP
+
+
+def ahead_arrays(dev, ahead, ahead_out, grid_threads: int):
+    """A launch's read-ahead arguments on the device: `ahead` (out, bytes) uint8 rows as
+    one flat row (size 0: none), and `ahead_out` a uint32 slot per thread of the grid
+    (size 0: not reported)."""
+    if ahead is None:
+        ahead = absent((0,), np.uint8)
+    else:
+        expect("ahead", ahead, np.uint8, (None, None))
+        ahead = dev.read(ahead)
+        ahead = ahead.reshape(ahead.size)
+    if ahead_out is None:
+        return ahead, absent((0,), np.uint32)  # never written
+    expect("ahead_out", ahead_out, np.uint32, (grid_threads,))
+    return ahead, dev.write(ahead_out)
+
+
+def matvec_fused(x, raw, qtype, y, norm=None, eps=0.0, swiglu=False, add=False, rope=None, append=None,
+                 warps: int | None = None, ahead=None, ahead_out=None):
+    """Like matvec_fused_ref, on the device, for 1..8 rows of x. NumPy arguments are moved
+    (y is written back); device arguments are used in place. warps: per thread block
+    (default: one part of each row per thread, at most MAX_WARPS; tests set it under the
+    simulator). ahead: the (out, bytes) uint8 rows of the matrix the next matvec reads,
+    read into L2 meanwhile, up to AHEAD 32-byte sectors a thread; ahead_out: a uint32 array
+    with a slot per thread of the grid, given the XOR of the bytes each read
+    (read_ahead_ref's, XORed over the grid). append: with rope, write k and v into an
+    fp16/fp32 cache as well, as kv_append_fp16 would (its arguments after k_new, v_new;
+    "Appending in the epilogue")."""
+    expect("x", x, np.float32, (None, None))
+    assert norm is None or not swiglu, "one prologue at a time: norm or swiglu"
+    assert rope is None or not add, "one epilogue at a time: add or rope"
+    n = x.shape[0]
+    n_in = x.shape[1] // 2 if swiglu else x.shape[1]
+    assert not swiglu or x.shape[1] == 2 * n_in, f"gate|up rows have an even length, not {x.shape[1]}"
+    assert n <= MAX_ROWS, f"x has {n} rows; matvec_fused takes at most {MAX_ROWS} (use matmul)"
+    expect("raw", raw, np.uint8, (None, row_bytes(qtype, n_in)))
+    n_out = raw.shape[0]
+    expect("y", y, np.float32, (n, n_out))
+    if norm is not None:
+        expect("norm", norm, np.float32, (n_in,))
+    if rope is not None:
+        cos, sin, n_heads, n_kv = rope
+        expect("cos", cos, np.float32, (n, None))
+        hd = 2 * cos.shape[1]
+        expect("sin", sin, np.float32, (n, hd // 2))
+        assert hd & (hd - 1) == 0, f"head_dim {hd} is not a power of two: the rope epilogue masks by it"
+        assert n_out == (n_heads + 2 * n_kv) * hd, f"{n_out} outputs are not q|k|v of {n_heads}+{n_kv}+{n_kv} heads of {hd}"
+        assert ROWS % 2 == 0, f"the rope epilogue stores pairs of rows: ROWS = {ROWS} is odd"
+    if append is not None:
+        assert rope is not None, "the append is the rope epilogue's: q|k|v only"
+        assert n == 1, f"the append epilogue writes one row's cell (a decode step), not {n}"
+        kv_pos, page_table, pool_k, pool_v, host_k, host_v = append
+        expect("positions", kv_pos, np.int32, (n,))
+        expect("page_table", page_table, np.int32, (None,))
+        host_k, host_v = expect_dest(n_kv, hd, pool_k, pool_v, host_k, host_v)
+    if n == 0 or n_out == 0:
+        return
+    prologue = "normed" if norm is not None else ("gated" if swiglu else "plain")
+    blocks, threads = matvec_grid(n_out, n_in, warps)
+    x_rows = 1 if n == 1 else ROW_GROUP  # rows of x a thread block takes; the next rows, the next blocks in y
+    groups = -(-n // x_rows)
+    assert ROWS * x_rows <= threads, "a thread per output stores the sums"
+    epilogue = "add" if add else ("store" if rope is None else ("rope" if append is None else "rope_append"))
+    with DeviceArgs() as dev:
+        a, b = weight_views(dev.read(raw), qtype)
+        x = dev.read(x)
+        norm = x if norm is None else dev.read(norm)  # unread unless normed: any float32 array
+        if rope is None:  # unread: any (n, *) float32 arrays
+            angles, rope_rows, hd = (x, x), 0, 0
+        else:
+            angles, rope_rows = (dev.read(cos), dev.read(sin)), (n_heads + n_kv) * hd
+        ahead, ahead_out = ahead_arrays(dev, ahead, ahead_out, blocks * threads)
+        report = 1 if ahead_out.size else 0
+        if append is None:  # unread: any arrays of the types the kernel takes
+            cell = absent((0,), np.int32), absent((0,), np.int32), *(absent((0, 1, 1, 1), np.float32),) * 4
+        else:
+            cell = (dev.read(kv_pos), dev.read(page_table), dev.write(pool_k), dev.write(pool_v), dev.write(host_k),
+                    dev.write(host_v))
+        kernel = MATVEC_KERNELS[qtype, prologue, epilogue, x_rows]
+        kernel[(blocks, groups), threads, stream()](
+            x, norm, np.float32(eps), np.int32(n_in), a, b, dev.write(y),  # y is read too, with add
+            *angles, np.int32(rope_rows), np.int32(hd), ahead, ahead_out, np.int32(report), *cell)
+
+
+@twin_of(plain.matvec)
+def matvec(x, raw, qtype, y):
+    """Plain twin: kernels/dense/matvec.py matvec. The fused kernel with no prologue or
+    epilogue: 4 rows of W a thread block, the same sums in another order (within
+    dot_tolerance of the plain kernel's)."""
+    matvec_fused(x, raw, qtype, y)
