@@ -5,6 +5,7 @@ gpu/ build on it; kv/ and the backends build on kernels; the engine on top. A ke
 imported the cache would make the two a cycle that only import order holds together.
 """
 import ast
+import re
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "strata_nb"
@@ -60,3 +61,35 @@ def test_simulator_geometry_is_chosen_in_one_place():
     whether a device is there at all."""
     users = sorted(str(p.relative_to(SRC)) for p in files_under() if "config.ENABLE_CUDASIM" in p.read_text())
     assert users == ["backend/__init__.py", "gpu/geometry.py"]
+
+
+# ---- the two tiers: kernels/ is the plain tier a learner reads, fast/ is fenced apart ----
+FAST_TIER_WORDS = ("wait_for_inputs", "let_next_start", "waits_for_inputs", "SIMULATED", "launch_bounds")
+FAST_TIER_MODULES = ("strata_nb.fast", "strata_nb.gpu.dependent_launch", "strata_nb.gpu.fast_launch",
+                     "strata_nb.gpu.sm90", "strata_nb.gpu.tensor_core")
+PLAIN_FILE_LINES = 250
+
+
+def test_the_plain_tier_says_nothing_of_the_fast_one():
+    """No plain kernel file mentions dependent launches or the simulator, and none imports
+    the fast tier: the simulator's differences live behind gpu/'s seam."""
+    bad = [f"{path.relative_to(SRC)} says {word}" for path in files_under("kernels")
+           for word in FAST_TIER_WORDS if word in path.read_text()]
+    bad += [f"{path.relative_to(SRC)} imports {m}" for path in files_under("kernels")
+            for m in sorted(imports_of(path)) if m.startswith(FAST_TIER_MODULES)]
+    assert not bad, "\n".join(bad)
+
+
+def test_each_plain_file_reads_in_one_sitting():
+    long = [f"{path.relative_to(SRC)}: {n} lines" for path in files_under("kernels")
+            if (n := len(path.read_text().splitlines())) > PLAIN_FILE_LINES]
+    assert not long, "\n".join(long)
+
+
+def test_each_fast_kernel_file_names_its_plain_twin():
+    """A fast module with kernels opens by saying which plain kernel it must equal (or
+    that it has none, and why)."""
+    bad = [str(path.relative_to(SRC)) for path in files_under("fast")
+           if re.search(r"^\s*@cuda\.jit", path.read_text(), re.MULTILINE)
+           and "plain twin" not in (ast.get_docstring(ast.parse(path.read_text())) or "").lower()]
+    assert not bad, "no 'plain twin' in the module docstring of: " + ", ".join(bad)
