@@ -35,7 +35,7 @@ from numba import cuda, float32
 from strata_nb.gpu.dependent_launch import let_next_start, wait_for_inputs, waits_for_inputs
 from strata_nb.kernels.attention.attention_step import HEAD_DIMS, MAX_GROUP
 from strata_nb.kernels.kv.quant_q4_0 import D_STRIDE, HALF, dequantize_q4_0_ref
-from strata_nb.kernels.step.select_blocks import candidates
+from strata_nb.kernels.step.select_rows import candidates
 from strata_nb.gpu.launch import DeviceArgs, expect, stream, view_bytes
 from strata_nb.gpu.geometry import SIMULATED
 from strata_nb.gpu.reduce import NEG_INF, WARP, warp_max
