@@ -31,8 +31,8 @@ from strata_nb.kernels.experts.route import ROUTE_KERNELS
 from strata_nb.kernels.kv.key_sketch import key_sketch_kernel
 from strata_nb.kernels.kv.kv_append_k8v4 import kv_append_k8v4_kernel
 from strata_nb.fast.advance_step import advance_step_kernel
-from strata_nb.kernels.step.argmax import argmax_kernel
-from strata_nb.kernels.step.block_scores import BLOCK_SCORES_KERNELS
+from strata_nb.fast.argmax import argmax_kernel
+from strata_nb.fast.block_scores import BLOCK_SCORES_KERNELS
 from strata_nb.fast.map_ring import map_ring_kernel
 from strata_nb.fast.select_blocks import select_blocks_kernel
 
