@@ -13,7 +13,7 @@ marking: each thread keeps the best of its share (every THREADS-th block), and t
 reductions give the round's best score and the lowest block that holds it (argmax.py's
 `first_of_max`). After `take` rounds, the last pick is the cut: a candidate is chosen
 when it ranks at or before it. Thread 0 then walks the candidates in block order and
-writes the chosen ones; the other threads write the window and the padding.
+writes the chosen ones, while the block's threads write the window and the padding.
 
 The output is block indices, so the kernel must equal the reference exactly. Scores are
 numbers (-inf included): a NaN has no place in the order the rounds compare by.
@@ -113,7 +113,7 @@ def select_rows_kernel(scores,         # (n_q, n_blocks) float32: -inf where not
     if t == 0:
         out[i, 0] = 0
         place = 1
-        for b in range(1, ranked_end if take > 0 else 1):
+        for b in range(1, ranked_end):  # with no round, the cut (+inf, -1) has none before it
             s = scores[i, b]
             if s > cut_score or (s == cut_score and b <= cut_block):  # at or before the cut
                 out[i, place] = b
