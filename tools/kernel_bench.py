@@ -95,8 +95,8 @@ def matvecs():
 
 def selection():
     from strata_nb.kernels.kv.quant_q4_0 import quantize_q4_0_ref
-    from strata_nb.kernels.step.block_scores import block_scores
-    from strata_nb.kernels.step.select_blocks import select_blocks
+    from strata_nb.fast.block_scores import block_scores
+    from strata_nb.fast.select_blocks import select_blocks
 
     sketch = cuda.to_device(quantize_q4_0_ref(rng.standard_normal((N_BLOCKS, 3, 16, 64)).astype(np.float32)))
     q = cuda.to_device(rng.standard_normal((1, 9, 64)).astype(np.float32))

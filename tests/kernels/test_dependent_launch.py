@@ -30,11 +30,11 @@ from strata_nb.gpu.sm90 import dependent_order
 from strata_nb.kernels.attention.attention_step import STEP_KERNELS
 from strata_nb.kernels.kv.key_sketch import key_sketch_kernel
 from strata_nb.kernels.kv.kv_append_k8v4 import kv_append_k8v4_kernel
-from strata_nb.kernels.step.advance_step import advance_step_kernel
-from strata_nb.kernels.step.argmax import argmax_kernel
-from strata_nb.kernels.step.block_scores import BLOCK_SCORES_KERNELS
-from strata_nb.kernels.step.map_ring import map_ring_kernel
-from strata_nb.kernels.step.select_blocks import select_blocks_kernel
+from strata_nb.fast.advance_step import advance_step_kernel
+from strata_nb.fast.argmax import argmax_kernel
+from strata_nb.fast.block_scores import BLOCK_SCORES_KERNELS
+from strata_nb.fast.map_ring import map_ring_kernel
+from strata_nb.fast.select_blocks import select_blocks_kernel
 
 # A decode step's kernels that wait for their inputs (a verify window runs the same), and
 # the one it launches plain

@@ -16,7 +16,7 @@ from strata_nb.backend.numpy_backend import NumpyBackend
 from strata_nb.engine.decode_step import DeviceStep
 from strata_nb.engine.engine import Engine
 from strata_nb.errors import StrataError
-from strata_nb.kernels.step.advance_step import advance_step, advance_step_ref
+from strata_nb.fast.advance_step import advance_step, advance_step_ref
 from strata_nb.kernels.kv.hadamard import hadamard, hadamard_ref
 from strata_nb.gpu.launch import Capture, capturing
 import strata_nb.kernels.attention.attention_step as attention_step_module

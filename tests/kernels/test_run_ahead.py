@@ -1,6 +1,6 @@
 """Decode steps run ahead (engine/decode_step.py: DeviceStep.run_ahead): step k + 1 is
 queued before step k's pick is read, and each step's pick lands in its own slot of the
-mapped ring (kernels/step/advance_step.py).
+mapped ring (fast/advance_step.py).
 
 The queueing is checked on a stand-in step, one small kernel that makes the next token
 from the token and the position (so a pick read from the wrong slot, or a step run at the
@@ -19,7 +19,7 @@ from strata_nb.engine.decode_step import PICK_RING
 from strata_nb.engine.engine import Engine
 from strata_nb.errors import StrataError
 from strata_nb.gpu.launch import stream
-from strata_nb.kernels.step.advance_step import advance_step
+from strata_nb.fast.advance_step import advance_step
 from strata_nb.model.gguf_file import GGUFModel
 from strata_nb.settings import SamplingSettings, Settings
 

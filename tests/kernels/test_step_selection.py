@@ -1,14 +1,73 @@
-"""The two kernels that let a streamed or QSA decode step be replayed from a graph, against
-their references: select_blocks (QSA's picks, or every block up to the query, with the
-lookup counts) and map_ring (the ring follows the write), both byte for byte."""
+"""QSA's block selection: the plain kernel (select_rows) against its reference, then the
+two fast kernels that let a streamed or QSA decode step be replayed from a graph against
+theirs: select_blocks (QSA's picks, or every block up to the query, with the lookup
+counts) and map_ring (the ring follows the write). All byte for byte: they write indices."""
 import numpy as np
 import pytest
 
-from strata_nb.kernels.step.map_ring import map_ring, map_ring_ref
-from strata_nb.kernels.step.select_blocks import select_blocks, select_blocks_ref
-from strata_nb.kernels.step.select_blocks import select_rows_ref as host_select_blocks
+from strata_nb.fast.map_ring import map_ring, map_ring_ref
+from strata_nb.fast.select_blocks import select_blocks, select_blocks_ref
+from strata_nb.kernels.step.select_rows import budget_note, select_rows, select_width
+from strata_nb.kernels.step.select_rows import select_rows_ref as host_select_blocks
 
 N_BLOCKS = 13
+
+
+def run_select_rows(scores, positions, window, budget, extra=0):
+    """The plain kernel's rows and the reference's, both select_width (+ extra) wide."""
+    width = select_width(scores.shape[1], window, budget) + extra
+    got = np.full((len(positions), width), 99, np.int32)
+    select_rows(scores, positions, window, budget, got)
+    return got, host_select_blocks(scores, positions, window, budget, np.full_like(got, 99))
+
+
+def test_select_rows_kernel_equals_ref():
+    """Five queries over 37 blocks: at block 0, inside the first window, straddling a block
+    edge, deep, and at the last cell; budgets that take candidates, one the window already
+    fills, one below the window, one past every candidate, and 0."""
+    rng = np.random.default_rng(59)
+    n_blocks = 37
+    scores = rng.standard_normal((5, n_blocks)).astype(np.float32)
+    scores[:, [3, 9, 20, 21]] = 1.25  # ties: the lower block ranks first
+    scores[2, 4], scores[2, 5] = -0.0, 0.0  # equal, as a sort compares them
+    scores[3, [6, 7]] = -np.inf  # candidates whose score is -inf still rank, last
+    positions = np.array([0, 40, 10 * 16 + 15, 23 * 16 + 1, n_blocks * 16 - 1], np.int32)
+    for window, budget in [(2, 160), (3, 48), (4, 32), (1, 1000), (2, 0), (3, 17 * 16 + 5)]:
+        got, want = run_select_rows(scores, positions, window, budget, extra=3)
+        assert got.tobytes() == want.tobytes(), (window, budget, got, want)
+        held = (want >= 0).sum(axis=1)
+        assert held.max() <= select_width(n_blocks, window, budget)  # the width is enough ...
+    assert held.max() == select_width(n_blocks, window, budget)  # ... and no more than a row can need
+
+
+def test_select_rows_ranks_ties_by_block():
+    """Candidates 1 .. 10, block 5 the best and the other nine tied, room for three: block 5,
+    then blocks 1 and 2, as a stable sort picks. Negative control: ties given to the higher
+    block would pick 10 and 9."""
+    scores = np.zeros((1, 14), np.float32)
+    scores[0, 5] = 1.0
+    got, want = run_select_rows(scores, np.array([13 * 16 + 2], np.int32), 3, 7 * 16)
+    assert list(got[0]) == list(want[0]) == [0, 1, 2, 5, 11, 12, 13]
+    cand = np.arange(1, 11)
+    higher_first = cand[np.lexsort((-cand, -scores[0, cand]))][:3]  # ties to the higher block
+    assert sorted(higher_first) == [5, 9, 10] and not set(higher_first) <= set(got[0])
+
+
+@pytest.mark.parametrize("n_q, n_blocks, window, budget", [(7, 29, 2, 11 * 16), (2, 70, 5, 33 * 16)])
+def test_select_rows_kernel_equals_ref_on_random_rows(n_q, n_blocks, window, budget):
+    """Random positions and scores, more candidates than a selection thread block has
+    threads (32 under the simulator), and scores drawn from a few values: many ties."""
+    rng = np.random.default_rng(n_blocks)
+    scores = rng.integers(-3, 4, (n_q, n_blocks)).astype(np.float32) * np.float32(0.5)
+    positions = rng.integers(0, n_blocks * 16, n_q).astype(np.int32)
+    got, want = run_select_rows(scores, positions, window, budget)
+    assert got.tobytes() == want.tobytes()
+
+
+def test_select_rows_launcher_refuses_a_narrow_list():
+    scores = np.zeros((1, 20), np.float32)
+    with pytest.raises(AssertionError, match="a row can hold 8"):
+        select_rows(scores, np.array([300], np.int32), 2, 128, np.zeros((1, 7), np.int32))
 
 
 def run_select(impl, scores, pos, page_table, window, budget, width):
@@ -40,6 +99,9 @@ def test_select_blocks_kernel_equals_ref(pos, window, budget):
     sel = want[1][0][want[1][0] >= 0]
     if budget:  # the reference is the host path's own choice
         assert list(sel) == list(host_select_blocks(scores, np.array([pos]), window, budget)[0])
+        plain = np.full((1, width), 99, np.int32)  # the plain twin: the same list
+        select_rows(scores, np.array([pos], np.int32), window, budget, plain)
+        assert plain.tobytes() == want[1].tobytes()
     assert want[2][0] == 5 + len(sel) and want[2][1] == 1 + (page_table[sel] < 0).sum() and want[2][2] == 3
 
 
@@ -115,8 +177,6 @@ def test_the_budget_note_says_what_a_deep_query_reads(budget):
     the budget when it is whole blocks above the first block and the window, else the
     number the note gives."""
     import re
-
-    from strata_nb.kernels.step.select_blocks import budget_note
 
     window, pos = 16, 4000
     scores = np.random.default_rng(budget).standard_normal((1, pos // 16 + 1)).astype(np.float32)

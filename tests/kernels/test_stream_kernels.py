@@ -6,7 +6,7 @@ import pytest
 from strata_nb.kernels.kv.key_sketch import key_sketch, key_sketch_ref, sketch_shape
 from strata_nb.kernels.kv.quant_q4_0 import dequantize_q4_0_ref, quantize_q4_0_ref
 from strata_nb.kernels.step.block_scores import block_scores, block_scores_ref
-from strata_nb.kernels.step.select_blocks import candidates
+from strata_nb.kernels.step.select_rows import candidates
 from strata_nb.kernels.kv.copy_runs import as_words, copy_runs, copy_runs_ref
 from strata_nb.kernels.kv.ring_restore import ring_restore, ring_restore_ref
 from strata_nb.kv_layout import FORMATS, pool_arrays

@@ -30,7 +30,7 @@ placed among them, waiting, which measured slower.
 
 Two kernels end in one thread block's chain of work, and let nothing start early. The
 router (kernels/experts/route.py, one block a token) waits for its inputs but lets
-expert_gate_up launch only when it ends. select_blocks (kernels/step/select_blocks.py,
+expert_gate_up launch only when it ends. select_blocks (fast/select_blocks.py,
 whose last block writes the list) is not marked at all: it starts when block_scores has
 ended, and the step attention starts when it has. Either way, early, measured slower
 (docs/gpu/fast.md, "Kernels that end in one thread block").

@@ -72,6 +72,7 @@ MERGE_UNROLL = on_gpu(8, simulator=2)  # splits a merging thread loads before it
 # ---- step: kernels/step/ ----------------------------------------------------------------
 ARGMAX_THREADS = on_gpu(256, simulator=64)  # threads per chunk of logits
 SAMPLE_THREADS = on_gpu(1024, simulator=64)  # threads of top-p's one thread block
+SELECT_ROWS_THREADS = on_gpu(256, simulator=32)  # threads of a query's selection block
 SELECT_CANDIDATES = on_gpu(4, simulator=8)  # blocks a selection thread block ranks
 SELECT_PARTS = on_gpu(64, simulator=4)  # threads per candidate
 SELECT_SHARED_SCORES = on_gpu(4096, simulator=64)  # candidates' scores held in shared memory

@@ -19,7 +19,6 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda, float32
 
-from strata_nb.gpu.dependent_launch import let_next_start, wait_for_inputs, waits_for_inputs
 from strata_nb.gpu.launch import DeviceArgs, device_empty, expect, last_to_arrive, stream, ticket_counters
 from strata_nb.gpu.geometry import ARGMAX_THREADS
 from strata_nb.gpu.reduce import NEG_INF, block_max
@@ -48,15 +47,12 @@ def first_of_max(best, best_j, vocab):
     return top, int(-block_max(-candidate))
 
 
-@waits_for_inputs
 @cuda.jit(cache=True)
 def argmax_kernel(logits,      # (n, vocab) float32
                   part_value,  # (n, chunks) float32 scratch: each chunk's max
                   part_index,  # (n, chunks) int32 scratch: its first index
                   arrivals,    # (n,) int32: 0 before the launch, 0 after it
                   out):        # (n,) int32, written
-    wait_for_inputs()
-    let_next_start()  # a dependent launch: gpu/dependent_launch.py
     i, chunk, t = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x
     vocab = logits.shape[1]
     first_j = chunk * SPAN + t

@@ -18,12 +18,12 @@ l % 16 and the q4_0 groups l // 16, l // 16 + 2, ... of that cell's row (both ha
 64-dim head, one each). A lane holds its group's 32 values of each query head of the KV head's
 group in registers, reads the group's 16 code bytes and d once, and sums the products of
 q and code (low nibbles and high ones apart: two shorter chains) before taking off 8 x the
-sum of q and scaling by d. The two lanes of a cell add their
-halves (`add_partner`, a shuffle), the warp takes the max over cells and heads, and the
+sum of q and scaling by d. The two lanes of a cell add their halves (gpu/half_warp.py:
+`add_half_warp`, a shuffle), the warp takes the max over cells and heads, and the
 warps' maxima meet in shared memory. The head count, KV head count and head_dim are
 compiled in (`make_block_scores_kernel`), so the loops unroll and a lane's loads go out
-together. The host path and a replayed decode step (kv/step_blocks.py: StepBlocks)
-launch this same kernel, so their scores are the same bits.
+together. The host path and a graph-replayed decode step (kv/step_blocks.py: StepBlocks)
+run this kernel's code, so their scores are the same bits.
 """
 from __future__ import annotations
 
@@ -32,33 +32,15 @@ from numba import cuda, float32
 
 # the shapes compiled in (make_block_scores_kernel): the step attention's head_dims and
 # query heads per KV head, so a model the step takes is one QSA can score
-from strata_nb.gpu.dependent_launch import let_next_start, wait_for_inputs, waits_for_inputs
 from strata_nb.kernels.attention.attention_step import HEAD_DIMS, MAX_GROUP
 from strata_nb.kernels.kv.quant_q4_0 import D_STRIDE, HALF, dequantize_q4_0_ref
-from strata_nb.kernels.step.select_blocks import candidates
+from strata_nb.kernels.step.select_rows import candidates
+from strata_nb.gpu.half_warp import add_half_warp
 from strata_nb.gpu.launch import DeviceArgs, expect, stream, view_bytes
-from strata_nb.gpu.geometry import SIMULATED
 from strata_nb.gpu.reduce import NEG_INF, WARP, warp_max
 from strata_nb.kv_layout import BLOCK, Q4_BYTES, Q4_GROUP
 
 MAX_KV = 8  # KV heads
-
-if SIMULATED:
-    from strata_nb.gpu.reduce import exchange
-
-    @cuda.jit(device=True)
-    def add_partner(x, lane):
-        """x plus lane (lane ^ 16)'s x: the other half of this lane's cell. The simulator
-        has no shuffle: the warp trades its values through shared memory (a + b == b + a,
-        so the bits are the GPU's)."""
-        return x + exchange(x)[lane ^ BLOCK]
-else:
-    from strata_nb.gpu.reduce import warp_xor
-
-    @cuda.jit(device=True)
-    def add_partner(x, lane):
-        """x plus lane (lane ^ 16)'s x: the other half of this lane's cell."""
-        return x + warp_xor(x, BLOCK)
 
 
 # --8<-- [start:block_scores_ref]
@@ -86,8 +68,6 @@ def make_block_scores_kernel(G, KV, D):
 
     @cuda.jit(cache=True)
     def block_scores_kernel(q, sketch, sketch_d, positions, window_blocks, scores):  # as block_scores_ref; sketch_d: its bytes as float16
-        wait_for_inputs()
-        let_next_start()  # a dependent launch: gpu/dependent_launch.py
         # Thread block (b, i): block b, query i; warp g: KV head g; lane: cell c, groups w0, w0 + 2, ...
         b, i = cuda.blockIdx.x, cuda.blockIdx.y
         t = cuda.threadIdx.x
@@ -125,7 +105,7 @@ def make_block_scores_kernel(G, KV, D):
                 dot[u] += (lo[u] + hi[u] - float32(8.0) * q_sum) * d
         best = NEG_INF
         for u in range(G):
-            best = max(best, add_partner(dot[u], lane))  # the cell's whole q . k for head u
+            best = max(best, add_half_warp(dot[u], lane))  # the cell's whole q . k for head u
         best = warp_max(best)  # the KV head's best cell and head
         heads = cuda.shared.array(KV, float32)
         if lane == 0:
@@ -135,7 +115,7 @@ def make_block_scores_kernel(G, KV, D):
             for h in range(1, KV):
                 best = max(best, heads[h])
             scores[i, b] = best
-    return waits_for_inputs(block_scores_kernel)
+    return block_scores_kernel
 # --8<-- [end:block_scores_kernel]
 
 

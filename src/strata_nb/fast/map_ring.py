@@ -1,11 +1,12 @@
-"""The ring follows a replayed decode step's write, on the device.
+"""Plain twin: none; the host path moves the ring with SlotTable.map_ring (kv/slots.py).
+This kernel does the same for a decode step replayed from a CUDA graph, which knows its
+position only in device memory.
 
 The ring holds the most recent `--kv-window` cells at `slot = block % n_ring`
-(kv/slots.py). On the host path `SlotTable.map_ring` points the ring at the block a write
-lands in, before the write. A step replayed from a CUDA graph knows its position only in
-device memory, so this kernel does the same re-pointing there, on each layer's two maps:
-the block's old slot and the slot's old block are unmapped, and the block takes the slot:
-the reference and the kernel both run kv_layout.py's `point`, the host's own step.
+(kv/slots.py). Before a write, the ring is pointed at the block the write lands in, on
+each layer's two maps: the block's old slot and the slot's old block are unmapped, and the
+block takes the slot: the reference and the kernel both run kv_layout.py's `point`, the
+host's own step.
 
 A decode step writes one cell. It enters a new block at the block's first cell, so there
 is nothing older in that block to refill from the host copy. The host maps the first

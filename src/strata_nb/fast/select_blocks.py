@@ -1,15 +1,18 @@
-"""A decode step's block selection on the device: the blocks `select_rows_ref` (below, QSA's
-host policy) picks, so a step replayed from a CUDA graph reads what the host path reads.
+"""Plain twin: kernels/step/select_rows.py select_rows_kernel (QSA's choice, one thread
+block a query). This one selects for a graph-replayed decode step: it also gives every
+block up to the query when there is no budget, counts the lookups, ranks NaN scores as
+the host does, and spreads the ranking over the GPU instead of one SM's rounds.
 
-The host path picks blocks in Python from the step's scores (`select_rows_ref`, called by
-KVCache.select): block 0, the window (the last `window_blocks` blocks up to the query)
-and, of the rest, the highest scores up to the budget, ties to the lower block (a stable
-sort); or, with no budget, every block up to the query. A graph cannot call Python
-between its kernels, so this kernel makes the same choice from the scores in device
-memory and writes the list the attention kernel reads, ascending and -1 padded to a fixed
-width. A missing block needs no copy here: attention reads it in place from the host copy
-(mapped pinned memory), the same bytes the host path would first copy into a slot. So the
-two paths attend over the same bytes in the same order and give the same bits.
+The host path picks blocks from the step's scores (`select_rows_ref`, kernels/step/
+select_rows.py, run by KVCache.select): block 0, the window (the last `window_blocks`
+blocks up to the query) and, of the rest, the highest scores up to the budget, ties to
+the lower block (a stable sort); or, with no budget, every block up to the query. A graph
+cannot call Python between its kernels, so this kernel makes the same choice from the
+scores in device memory and writes the list the attention kernel reads, ascending and -1
+padded to a fixed width. A missing block needs no copy here: attention reads it in place
+from the host copy (mapped pinned memory), the same bytes the host path would first copy
+into a slot. So the two paths attend over the same bytes in the same order and give the
+same bits.
 
 It also counts, for the cache's counters, how many blocks the step looked up and how many
 of those were not in VRAM (all of them read in place).
@@ -38,6 +41,7 @@ from numba import cuda, float32, int32
 
 from strata_nb.gpu.launch import DeviceArgs, expect, last_to_arrive, stream, ticket_counters
 from strata_nb.gpu.geometry import SELECT_CANDIDATES, SELECT_PARTS, SELECT_SHARED_SCORES
+from strata_nb.kernels.step.select_rows import select_rows_ref
 from strata_nb.kv_layout import BLOCK, all_blocks_upto
 
 # A thread block ranks CANDIDATES blocks, PARTS threads each (under the simulator fewer
@@ -48,47 +52,6 @@ THREADS = CANDIDATES * PARTS
 # Candidates whose scores a thread block holds in shared memory (4,096 blocks: 64K cells
 # of context); the scores of later ones are read from global memory.
 SHARED_SCORES = SELECT_SHARED_SCORES
-
-
-# --8<-- [start:select_rows_ref]
-def candidates(pos, window_blocks: int) -> range:
-    """The blocks a query at `pos` ranks: not block 0 and not the window (both always
-    read), nothing after the query. Only these need a score."""
-    return range(1, max(1, pos // BLOCK - window_blocks + 1))
-
-
-def budget_note(budget_cells: int, window_blocks: int) -> str | None:
-    """What a query reads when the budget does not say it plainly, else None: the budget is
-    whole blocks (rounded down), and the first block and the window are read whatever it is."""
-    always = (1 + window_blocks) * BLOCK
-    if budget_cells >= always and budget_cells % BLOCK == 0:
-        return None
-    if budget_cells < always:
-        return (f"--qsa-budget {budget_cells} is below what a query always reads, the first block and the "
-                f"--kv-window of {window_blocks * BLOCK} cells, so selection adds no block (a query reads at most "
-                f"{always} cells)")
-    return (f"--qsa-budget {budget_cells} is not whole blocks of {BLOCK} cells: a query reads "
-            f"at most {budget_cells // BLOCK * BLOCK}")
-
-
-def select_rows_ref(scores: np.ndarray, positions: np.ndarray, window_blocks: int, budget_cells: int) -> np.ndarray:
-    """QSA's choice for each query: the first block, the recent window, then the best-scoring
-    others until the budget. scores (n_q, n_blocks) float32, positions (n_q,) -> (n_q, max_sel)
-    int32 ascending, -1 padded. The host path runs it for a window; select_blocks_ref for one step."""
-    budget_blocks = max(1, budget_cells // BLOCK)
-    rows = []
-    for score, pos in zip(scores, positions):
-        last = int(pos) // BLOCK
-        ranked = candidates(int(pos), window_blocks)
-        always = set(range(last + 1)) - set(ranked)  # block 0 and the window
-        others = [b for b in np.argsort(-score[: last + 1], kind="stable") if b in ranked]
-        take = max(0, budget_blocks - len(always))
-        rows.append(sorted(always | {int(b) for b in others[:take]}))
-    out = np.full((len(rows), max(map(len, rows))), -1, np.int32)
-    for i, r in enumerate(rows):
-        out[i, : len(r)] = r
-    return out
-# --8<-- [end:select_rows_ref]
 
 
 # --8<-- [start:select_blocks_ref]

@@ -1,4 +1,6 @@
-"""The last launch of a replayable decode step: move the step's inputs on by one token.
+"""Plain twin: none; the host path's decode loop (Engine.tokens_after) keeps the token and
+the position in Python. This is the last launch of a graph-replayed decode step: it moves
+the step's inputs on by one token.
 
 A captured graph takes no new arguments, so what changes from one token to the next lives
 in device memory: `token` (the id going in; argmax has just written the greedy pick over
