@@ -20,8 +20,8 @@ memory. Top-k sampling reads the logits back and writes its token over `token`, 
 step at a time (`run`).
 
 A streamed or QSA cache makes its per-step decisions on the device too: the ring follows
-the position (kernels/step/map_ring.py), the step selects its blocks
-(kernels/step/select_blocks.py), and a selected block that is not in VRAM is read in
+the position (fast/map_ring.py), the step selects its blocks
+(fast/select_blocks.py), and a selected block that is not in VRAM is read in
 place from the host copy instead of being copied into a slot first. The host maps the
 first step's block before the first replay, and takes the maps and counters back before
 its next decision (KVCache.before_device_steps, KVCache.sync_from_device). Without a GPU
@@ -36,7 +36,7 @@ from numba import cuda
 from ..backend import gpu_present
 from ..errors import StrataError
 from ..gpu.launch import stream
-from ..kernels.step.advance_step import advance_step, advance_step_ref
+from ..fast.advance_step import advance_step, advance_step_ref
 from ..kernels.step.argmax import argmax, argmax_ref
 from ..kernels.step.sample_top_p import sample_top_p, sample_top_p_ref
 from ..kv_layout import BLOCK

@@ -18,7 +18,8 @@ from ..errors import SettingError, StrataError
 from ..gpu.geometry import SIMULATED
 from ..kernel_cache import CompileProgress, package_kernels
 from ..kernels.dense.matvec import MAX_ROWS
-from ..kernels.step.select_blocks import budget_note
+from ..kernels.step.select_rows import budget_note
+from ..kernels.step.verify import verify, verify_ref
 from ..kv.cache import KVCache
 from ..kv_layout import BLOCK
 from ..model.fetch import ensure_default_model
@@ -302,15 +303,19 @@ class Engine:
             yield token
 
     # --8<-- [start:speculate]
-    def verify(self, window: list[int], pos: int) -> np.ndarray:
+    def verify(self, window: list[int], pos: int) -> tuple[np.ndarray, int]:
         """One batched pass over `window` at pos, pos + 1, ...: every position's greedy pick
-        (len(window),). The cells are written; `kv.keep` closes the window."""
+        (len(window),) and how many of the drafts (window[1:]) the model agrees with. The
+        cells are written; `kv.keep` closes the window."""
         self.kv.open_window()
         try:
-            return np.argmax(self._forward(window, pos, prompt=False, all_logits=True), axis=1)
+            logits = self._forward(window, pos, prompt=False, all_logits=True)
         except BaseException:
             self.kv.keep(0)  # a pass cut short keeps none of its cells: no window stays open
             raise
+        picks, kept = np.zeros(len(window), np.int32), np.zeros(1, np.int32)
+        self.be.op(verify_ref, verify)(logits, np.asarray(window[1:], np.int32), picks, kept)
+        return picks, int(kept[0])
 
     def speculate(self, token: int, pos: int, n: int, history: list[int], counts: dict):
         """The n greedy tokens after `token` at `pos`, as tokens_after gives them, verified
@@ -338,9 +343,12 @@ class Engine:
             else:
                 window = windows.get(width.now)
                 on_device = window is not None and window.fits(pos)
-                picks = window.run([token, *drafts], pos) if on_device else self.verify([token, *drafts], pos)
-                while kept < len(drafts) and picks[kept] == drafts[kept]:
-                    kept += 1
+                if on_device:
+                    picks = window.run([token, *drafts], pos)
+                    while kept < len(drafts) and picks[kept] == drafts[kept]:
+                        kept += 1
+                else:
+                    picks, kept = self.verify([token, *drafts], pos)
                 self.kv.keep(kept + 1)  # the window's token and the drafts the model agreed with
                 width.after(kept)
                 counts["drafts_offered"] += len(drafts)

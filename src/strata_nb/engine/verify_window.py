@@ -20,7 +20,7 @@ What a window reads is decided on the device, per query, as a decode step decide
 (kv/step_blocks.py): every block of a resident cache, or each query's own selection
 (QSA, or every block up to it when streamed), with blocks not in VRAM read in place from
 the host copy. The pass's first append points each layer's ring at the window's last
-block (kernels/step/map_ring.py); a window of T <= 16 cells enters a new block at its first
+block (fast/map_ring.py); a window of T <= 16 cells enters a new block at its first
 cell, so there is nothing older in that block to refill. Before a window that does not
 follow the cache's last device pass, the host maps the ring onto pos's block itself
 (KVCache.before_device_steps), as before a decode step.

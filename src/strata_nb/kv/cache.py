@@ -20,8 +20,8 @@ from ..kernels.kv.copy_runs import as_words, copy_runs, copy_runs_ref
 from ..kernels.kv.hadamard import hadamard, hadamard_ref
 from ..kernels.kv.key_sketch import sketch_shape
 from ..kernels.step.block_scores import block_scores, block_scores_ref
-from ..kernels.step.map_ring import map_ring, map_ring_ref
-from ..kernels.step.select_blocks import select_rows_ref
+from ..fast.map_ring import map_ring, map_ring_ref
+from ..kernels.step.select_rows import select_rows, select_rows_ref, select_width
 from ..kv_layout import BLOCK, all_blocks_upto, kv_block_bytes, pool_arrays, rotates, shared_blocks_upto
 from . import snapshot
 from .plan import StreamPlan
@@ -43,7 +43,7 @@ class LayerKV(KVDest):
             a.field: be.host_array((n_blocks, n_kv, BLOCK, a.per_head), a.dtype) for a in arrays}
         self.slots = None if plan is None else SlotTable(n_blocks, plan.n_ring, plan.n_pool)
         # slot -> block, the page table's inverse, in device memory too: a replayed step
-        # moves the ring there (kernels/step/map_ring.py)
+        # moves the ring there (fast/map_ring.py)
         table, self.slot_block = (be.asarray(np.arange(n_blocks, dtype=np.int32)), None) if plan is None else maps
         super().__init__(pool, table, host)
         # QSA's key sketch: every cell's K in q4_0, in VRAM for the whole context
@@ -63,7 +63,7 @@ class KVCache:
         self.plan = StreamPlan.from_settings(settings, self.n_blocks)
         self.block_bytes = kv_block_bytes(self.fmt, cfg.n_kv_heads, cfg.head_dim)
         # Streaming: every layer's maps are rows of one device array each, so a replayed step
-        # moves all the rings in one launch (kernels/step/map_ring.py)
+        # moves all the rings in one launch (fast/map_ring.py)
         self.maps = None if self.plan is None else tuple(
             be.asarray(np.full((cfg.n_layers, n), -1, np.int32))
             for n in (self.n_blocks, self.plan.n_ring + self.plan.n_pool))
@@ -203,10 +203,12 @@ class KVCache:
         from the blocks' scores (select_rows_ref, the host policy)."""
         if self.qsa_budget == 0:
             return all_blocks_upto(positions)
+        positions = np.asarray(positions, np.int32)
         scores = self.be.empty((q.shape[0], self.n_blocks), np.float32)
-        self.be.op(block_scores_ref, block_scores)(q, L.sketch, np.asarray(positions, np.int32), self.window_blocks,
-                                                   scores)
-        return select_rows_ref(self.be.to_numpy(scores), positions, self.window_blocks, self.qsa_budget)
+        self.be.op(block_scores_ref, block_scores)(q, L.sketch, positions, self.window_blocks, scores)
+        rows = np.empty((q.shape[0], select_width(self.n_blocks, self.window_blocks, self.qsa_budget)), np.int32)
+        self.be.op(select_rows_ref, select_rows)(scores, positions, self.window_blocks, self.qsa_budget, rows)
+        return np.ascontiguousarray(rows[:, :int((rows >= 0).sum(axis=1).max())])  # as wide as select_rows_ref's
     # --8<-- [end:select]
 
     # ---- movers: every one copies the format's runs, none knows a format ----------------
@@ -231,7 +233,7 @@ class KVCache:
     def before_device_steps(self, pos: int):
         """Before replayed steps start at `pos`: the host maps the ring onto pos's block,
         refilling it if the ring had left it, so every replayed step after enters its
-        blocks at their first cell (kernels/step/map_ring.py)."""
+        blocks at their first cell (fast/map_ring.py)."""
         if not self.streamed:
             return
         self.sync_from_device()

@@ -7,7 +7,7 @@ import numpy as np
 
 from ..kernels.attention.attention_step import two_per_sm_columns
 from ..kernels.step.block_scores import block_scores, block_scores_ref
-from ..kernels.step.select_blocks import select_blocks, select_blocks_ref
+from ..fast.select_blocks import select_blocks, select_blocks_ref
 from ..kv_layout import BLOCK
 from ..settings import MAX_WINDOW
 
