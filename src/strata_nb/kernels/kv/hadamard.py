@@ -16,15 +16,8 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda, float32
 
-from strata_nb.gpu.geometry import SIMULATED
-
 from strata_nb.gpu.launch import DeviceArgs, device_empty, grid_for, is_host_numpy
-from strata_nb.gpu.reduce import WARP
-
-if SIMULATED:
-    from strata_nb.gpu.reduce import exchange
-else:
-    from strata_nb.gpu.reduce import warp_xor
+from strata_nb.gpu.warp_rows import lane_butterflies
 
 N = 64  # values per transform: one head row of the default model
 LOG_N = 6  # its rounds: N = 2 ** LOG_N
@@ -92,34 +85,16 @@ def fwht64_rows(rows, n_rows, width, t, n_threads):
     cuda.syncthreads()
 
 
-if not SIMULATED:
-    @cuda.jit(device=True)
-    def fwht64_lanes(a, b, lane):
-        """A 64-value row held by one warp, two values a lane: a = row[lane], b = row[lane + 32]
-        -> the same two entries of the transformed row. Every lane of the warp calls it
-        together. Rounds h = 1..16 pair values in lanes whose index differs in bit h, so a
-        shuffle (warp_xor) brings the partner's value; the lane that holds the pair's lower
-        index keeps a + b, the other a - b (partner minus own). Round h = 32 pairs each
-        lane's own two values. fwht64's additions in its order: the same bits."""
-        for lg in range(LOG_N - 1):
-            h = 1 << lg
-            pa = warp_xor(a, h)
-            pb = warp_xor(b, h)
-            if lane & h:  # this lane holds j + h: the pair's second value
-                a, b = pa - a, pb - b
-            else:
-                a, b = a + pa, b + pb
-        a, b = a + b, a - b
-        return a * SCALE, b * SCALE
-
-else:
-    @cuda.jit(device=True)
-    def fwht64_lanes(a, b, lane):
-        """Under the simulator each shuffle is a block-wide barrier (gpu/reduce.py), so the
-        lanes trade their values once instead of ten times (two exchanges) and each runs
-        hadamard_ref's rounds, the same additions in the same order, on the whole row."""
-        row = hadamard_ref(np.concatenate((exchange(a), exchange(b))))
-        return row[lane], row[lane + WARP]
+@cuda.jit(device=True)
+def fwht64_lanes(a, b, lane):
+    """A 64-value row held by one warp, two values a lane: a = row[lane], b = row[lane + 32]
+    -> the same two entries of the transformed row. Every lane of the warp calls it
+    together. Rounds h = 1..16 pair values in different lanes (gpu/warp_rows.py trades
+    them); round h = 32 pairs each lane's own two values. fwht64's additions in its
+    order: the same bits."""
+    a, b = lane_butterflies(a, b, lane)
+    a, b = a + b, a - b
+    return a * SCALE, b * SCALE
 # --8<-- [end:fwht64]
 
 
