@@ -20,16 +20,15 @@ import pytest
 from conftest import ON_GPU
 from strata_nb.backend.cuda_backend import CudaBackend
 from strata_nb.backend.numpy_backend import NumpyBackend
+from strata_nb.fast.attention_step import STEP_KERNELS
+from strata_nb.fast.kv_append import key_sketch_kernel, kv_append_k8v4_kernel
 from strata_nb.gpu.dependent_launch import dependent_launches, enabled, is_dependent
 from strata_nb.gpu.sm90 import dependent_order
-from strata_nb.kernels.attention.attention_step import STEP_KERNELS
 from strata_nb.kernels.dense.embed import EMBED_KERNELS, embed_rows_kernel
 from strata_nb.kernels.dense.matvec_fused import MATVEC_KERNELS
 from strata_nb.kernels.experts.expert_down import EXPERT_DOWN_KERNELS
 from strata_nb.kernels.experts.expert_gate_up import EXPERT_GATE_UP_KERNELS
 from strata_nb.kernels.experts.route import ROUTE_KERNELS
-from strata_nb.kernels.kv.key_sketch import key_sketch_kernel
-from strata_nb.kernels.kv.kv_append_k8v4 import kv_append_k8v4_kernel
 from strata_nb.kernels.step.advance_step import advance_step_kernel
 from strata_nb.kernels.step.argmax import argmax_kernel
 from strata_nb.kernels.step.block_scores import BLOCK_SCORES_KERNELS
