@@ -68,7 +68,7 @@ from strata_nb.gpu.geometry import MERGE_UNROLL, SIMULATED, STEP_THREADS, multip
 from strata_nb.gpu.launch import device_empty, last_to_arrive, stream, ticket_counters
 from strata_nb.gpu.reduce import WARP, warp_max, warp_sum
 from strata_nb.kernels.attention.attention import MAX_HEAD_DIM, NEG_INF
-from strata_nb.kernels.kv.hadamard import fwht64_rows
+from strata_nb.kernels.kv.hadamard import N as HADAMARD_N, SCALE as HADAMARD_SCALE
 from strata_nb.kernels.kv.kv_readers import READERS, SIDES
 from strata_nb.kv_layout import BLOCK
 
@@ -91,6 +91,31 @@ STEP_BLOCKS_PER_SPLIT = 4
 # most this many, so score_parts and split_lanes use fewer threads for a large G or D.
 SCORE_VALUES = MAX_GROUP * 128
 RECORD_PAD = 32  # floats after a record's D sums: m, l, then padding to whole 128-byte lines
+HADAMARD_ROUNDS = HADAMARD_N.bit_length() - 1  # 6: 64 = 2 ** 6
+
+
+@cuda.jit(device=True)
+def fwht64_rows(rows, n_rows, width, t, n_threads):
+    """Transform rows[r, :width] in place for r < n_rows, every 64 values: rows is a 2-D
+    shared array, and every thread of the block calls this together (thread t of
+    n_threads). hadamard.py's fwht64 rounds with one butterfly per thread per round and a
+    barrier between rounds: the same additions in the same order, so the same bits as
+    hadamard_ref; the merging block rotates its output with it."""
+    for lg in range(HADAMARD_ROUNDS):  # round lg pairs values h = 2**lg apart
+        h = 1 << lg
+        for p in range(t, n_rows * width // 2, n_threads):
+            r, k = p // (width // 2), p % (width // 2)
+            # pair (j, j + h) of its run of 2h values: (k // h) * 2h + k % h, in shifts
+            # (h is a power of two, and a division by a runtime value is slow on a GPU)
+            j = ((k >> lg) << (lg + 1)) | (k & (h - 1))
+            a = rows[r, j]
+            b = rows[r, j + h]
+            rows[r, j] = a + b
+            rows[r, j + h] = a - b
+        cuda.syncthreads()
+    for e in range(t, n_rows * width, n_threads):
+        rows[e // width, e % width] *= HADAMARD_SCALE
+    cuda.syncthreads()
 
 
 def split_fits(head_dim: int) -> int:

@@ -20,7 +20,6 @@ from strata_nb.gpu.launch import DeviceArgs, device_empty, grid_for, is_host_num
 from strata_nb.gpu.warp_rows import lane_butterflies
 
 N = 64  # values per transform: one head row of the default model
-LOG_N = 6  # its rounds: N = 2 ** LOG_N
 SCALE = np.float32(1 / 8)  # 1 / sqrt(64): makes H orthonormal; a power of two, so exact
 
 
@@ -60,29 +59,6 @@ def fwht64(row):
         h *= 2
     for j in range(N):
         row[j] = row[j] * SCALE
-
-
-@cuda.jit(device=True)
-def fwht64_rows(rows, n_rows, width, t, n_threads):
-    """Transform rows[r, :width] in place for r < n_rows, every 64 values: rows is a 2-D
-    shared array, and every thread of the block calls this together (thread t of
-    n_threads). fwht64's rounds with one butterfly per thread per round and a barrier
-    between rounds: the same additions in the same order, so the same bits."""
-    for lg in range(LOG_N):  # round lg pairs values h = 2**lg apart
-        h = 1 << lg
-        for p in range(t, n_rows * width // 2, n_threads):
-            r, k = p // (width // 2), p % (width // 2)
-            # pair (j, j + h) of its run of 2h values: (k // h) * 2h + k % h, in shifts
-            # (h is a power of two, and a division by a runtime value is slow on a GPU)
-            j = ((k >> lg) << (lg + 1)) | (k & (h - 1))
-            a = rows[r, j]
-            b = rows[r, j + h]
-            rows[r, j] = a + b
-            rows[r, j + h] = a - b
-        cuda.syncthreads()
-    for e in range(t, n_rows * width, n_threads):
-        rows[e // width, e % width] *= SCALE
-    cuda.syncthreads()
 
 
 @cuda.jit(device=True)
