@@ -112,7 +112,7 @@ def attention_step_cases(versions: dict) -> None:
     from numba import cuda
 
     import kernel_bench as kb
-    import strata_nb.kernels.attention.attention as at
+    import strata_nb.fast.attention as at
 
     page_table = cuda.to_device(np.arange(kb.N_BLOCKS, dtype=np.int32))
     for fmt in ("fp16", "k8v4"):
@@ -135,7 +135,7 @@ def attention_prefill_cases(versions: dict) -> None:
     from numba import cuda
 
     import kernel_bench as kb
-    import strata_nb.kernels.attention.attention as at
+    import strata_nb.fast.attention as at
     from strata_nb.kv_layout import all_blocks_upto
 
     page_table = cuda.to_device(np.arange(kb.N_BLOCKS, dtype=np.int32))

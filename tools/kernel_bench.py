@@ -17,7 +17,7 @@ The K/V and weights are random bytes: the times depend on the shapes only.
 import numpy as np
 from numba import cuda
 
-import strata_nb.kernels.attention.attention as at
+import strata_nb.fast.attention as at
 import strata_nb.fast.matvec_fused as mvf
 from strata_nb.bench.profile import kernel_times
 from strata_nb.kv_layout import pool_arrays

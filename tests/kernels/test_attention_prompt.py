@@ -1,20 +1,26 @@
-"""The prompt kernel (a tile of queries per thread block, register tiles, a combine)
-against the reference: a prompt chunk's selection as rows and as one shared row, the
-output rotated back, and when queries may share a thread block (tile_for). The step
-kernel and the reference are tested in test_attention.py."""
+"""The fast tier's prompt kernel (fast/attention_prefill.py: a tile of queries per thread
+block, register tiles, a combine) against the reference and the plain kernel: a prompt
+chunk's selection as rows and as one shared row, the output rotated back, and when
+queries may share a thread block (tile_for). The plain kernel and the reference are
+tested in test_attention.py, the step kernel in test_attention_step.py."""
 import numpy as np
 import pytest
 from numba import cuda
 
-from attention_cases import HEAD_DIM, N_HEADS, N_KV, PAGE_TABLE, WRITTEN, check_rotate_out, filled_cache, queries, run
-from strata_nb.kernels.attention.attention import ATOL, RTOL, attention, attention_ref
-from strata_nb.kernels.attention import attention_prefill
-from strata_nb.kernels.attention.attention_prefill import MAX_TILE_ROWS, tile_for
+from attention_cases import (GARBAGE_READS, HEAD_DIM, N_HEADS, N_KV, PAGE_TABLE, WRITTEN, check_rotate_out,
+                             filled_cache, queries, run)
+from strata_nb.fast import attention_prefill
+from strata_nb.fast.attention import attention
+from strata_nb.fast.attention_prefill import MAX_TILE_ROWS, tile_for
+from strata_nb.kernels.attention import attention as plain
+from strata_nb.kernels.attention.attention import ATOL, RTOL, attention_ref
 from strata_nb.kv_layout import all_blocks_upto, shared_blocks_upto
+
+pytestmark = GARBAGE_READS
 
 
 def test_rotate_out_after_the_combine():
-    check_rotate_out(tile=5)
+    check_rotate_out(lambda *a, **k: attention(*a, tile=5, **k))
 
 
 @pytest.mark.slow  # two formats over 13 queries: a minute under the simulator (the default tier's
@@ -40,6 +46,18 @@ def test_prompt_chunk_in_tiles():
                                              host), rtol=1e-5, atol=1e-6)
         got = run(lambda *a: attention(*a, per_split=2, combine_groups=4, tile=5), *args)
         np.testing.assert_allclose(got, want, atol=ATOL, rtol=RTOL)
+        np.testing.assert_allclose(got, run(plain.attention, *args), atol=ATOL, rtol=RTOL)
+
+
+def test_a_prompt_chunk_matches_the_plain_kernel():
+    """Four queries across a block's edge share one row of blocks (the cache's form), in
+    tiles of 2 over splits of one block: the plain kernel's outputs within the tolerance."""
+    q_pos = np.arange(14, 18, dtype=np.int32)
+    q = np.random.default_rng(9).standard_normal((len(q_pos), N_HEADS, HEAD_DIM), np.float32)
+    pool, host = filled_cache("int8", PAGE_TABLE, n_slots=4)
+    args = ("int8", q, q_pos, shared_blocks_upto(q_pos), PAGE_TABLE, pool, host)
+    got = run(lambda *a: attention(*a, per_split=1, tile=2), *args)
+    np.testing.assert_allclose(got, run(plain.attention, *args), atol=ATOL, rtol=RTOL)
 
 
 def test_queries_that_disagree_get_a_block_each():
@@ -94,7 +112,7 @@ def test_the_combine_skips_splits_that_saw_nothing():
     """A split that saw no cell (m = -inf, l = 0) writes no V sums, and the combine does not
     read them: NaN left in those sums must not reach the output, which must be the splits'
     own merge (numpy). Reading them, as a weight of 0 times the sums would, gives NaN."""
-    from strata_nb.kernels.attention.attention_prefill import attention_combine_kernel
+    from strata_nb.fast.attention_prefill import attention_combine_kernel
 
     rng = np.random.default_rng(11)
     n_q, n_heads, n_splits, d = 3, 2, 5, HEAD_DIM

@@ -109,7 +109,7 @@ def test_a_model_or_context_past_the_step_kernels_stops_before_any_launch():
     launcher's assertion would fire at the first step."""
     from types import SimpleNamespace
 
-    from strata_nb.kernels.attention import attention_step as st
+    from strata_nb.fast import attention_step as st
     from strata_nb.kv_layout import BLOCK
 
     be, cfg = FastCudaBackend(), SimpleNamespace(head_dim=64, n_heads=8, n_kv_heads=2, n_expert=0)

@@ -27,9 +27,8 @@ from strata_nb.fast.matvec_fused import MATVEC_KERNELS
 from strata_nb.fast.route import ROUTE_KERNELS
 from strata_nb.gpu.dependent_launch import dependent_launches, enabled, is_dependent
 from strata_nb.gpu.sm90 import dependent_order
-from strata_nb.kernels.attention.attention_step import STEP_KERNELS
-from strata_nb.kernels.kv.key_sketch import key_sketch_kernel
-from strata_nb.kernels.kv.kv_append_k8v4 import kv_append_k8v4_kernel
+from strata_nb.fast.attention_step import STEP_KERNELS
+from strata_nb.fast.kv_append import key_sketch_kernel, kv_append_k8v4_kernel
 from strata_nb.fast.advance_step import advance_step_kernel
 from strata_nb.fast.argmax import argmax_kernel
 from strata_nb.fast.block_scores import BLOCK_SCORES_KERNELS

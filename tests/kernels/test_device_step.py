@@ -19,7 +19,7 @@ from strata_nb.errors import StrataError
 from strata_nb.fast.advance_step import advance_step, advance_step_ref
 from strata_nb.kernels.kv.hadamard import hadamard, hadamard_ref
 from strata_nb.gpu.launch import Capture, capturing
-import strata_nb.kernels.attention.attention_step as attention_step_module
+import strata_nb.fast.attention_step as attention_step_module
 from strata_nb.kernels.step.sample_top_p import sample_top_p_ref
 from strata_nb.model.gguf_file import GGUFModel
 from strata_nb.settings import SamplingSettings, Settings

@@ -37,7 +37,7 @@ def host_bytes(a):
     return np.array(a) if isinstance(a, np.ndarray) else a.copy_to_host()
 
 
-def append_windows(append, with_host=True, on_device=False, **kwargs):
+def append_windows(append, with_host=True, on_device=False, windows=WINDOWS, **kwargs):
     """Run the writer over every window; -> (pool, host or None, written positions).
     on_device: the pool as device arrays and the host copy mapped, as the cuda backend
     holds them (returned as NumPy copies)."""
@@ -47,7 +47,7 @@ def append_windows(append, with_host=True, on_device=False, **kwargs):
         pool = {f: cuda.to_device(a) for f, a in pool.items()}
         host = {f: mapped_zeros(a) for f, a in host.items()}
     written = []
-    for first, n in WINDOWS:
+    for first, n in windows:
         positions = np.arange(first, first + n, dtype=np.int32)
         k = rng.standard_normal((n, N_KV, HEAD_DIM), np.float32)
         v = rng.standard_normal((n, N_KV, HEAD_DIM), np.float32)  # unrotated: the V half rotates it
@@ -143,3 +143,20 @@ def test_absent_host_writes_only_the_pool():
         assert host is None
         for f in pool:
             assert pool[f].tobytes() == pool_with_host[f].tobytes(), f"pool {f} differs"
+
+
+def test_the_fast_twin_is_the_one_writer():
+    """The fast tier's k8v4 append (fast/kv_append.py: the plain kernel's code launched as
+    dependent) writes the plain kernel's bytes, the key sketch's too, and with the V half
+    unfolded it loses V from the host copy as the plain kernel does: the same writer. Two
+    windows (a straddling one, and one in a streamed-out block) keep it to seconds."""
+    from strata_nb.fast.kv_append import kv_append_k8v4 as fast_append
+
+    windows = [(12, 8), (30, 3)]
+    want, got = (np.zeros(sketch_shape(N_BLOCKS, N_KV, HEAD_DIM), np.uint8) for _ in range(2))
+    assert_parity(*append_windows(kv_append_k8v4, windows=windows, sketch=want)[:2],
+                  *append_windows(fast_append, windows=windows, sketch=got)[:2])
+    assert want.tobytes() == got.tobytes() and got.any()
+    pool_bad, host_bad, _ = append_windows(fast_append, windows=windows[1:], fold_v_half=False)
+    assert_parity(*append_windows(kv_append_k8v4, windows=windows[1:], fold_v_half=False)[:2], pool_bad, host_bad)
+    assert not host_bad["v_q4"].any()

@@ -67,6 +67,20 @@ def test_key_sketch_writes_each_cell_s_k_as_q4_0():
         assert (want.transpose(0, 2, 1, 3)[untouched] == before.transpose(0, 2, 1, 3)[untouched]).all()
 
 
+def test_the_fast_key_sketch_writes_the_plain_bytes():
+    """fast/kv_append.py's key_sketch: the plain kernel's code launched as dependent."""
+    from strata_nb.fast.kv_append import key_sketch as fast_sketch
+
+    rng = np.random.default_rng(3)
+    before = rng.integers(0, 256, size=sketch_shape(6, N_KV, HD), dtype=np.uint8)
+    pos = np.array([14, 15, 16, 17, 18, 40], np.int32)
+    k = rng.standard_normal((len(pos), N_KV, HD)).astype(np.float32)
+    want, got = before.copy(), before.copy()
+    key_sketch(k, pos, want)
+    fast_sketch(k, pos, got)
+    assert got.tobytes() == want.tobytes() and got.tobytes() != before.tobytes()
+
+
 def test_block_scores_are_each_block_s_best_cell():
     rng = np.random.default_rng(3)
     n_q, n_heads, n_blocks, window = 3, 9, 21, 2  # more blocks than a scoring thread block takes

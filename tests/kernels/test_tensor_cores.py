@@ -8,19 +8,22 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from attention_cases import HEAD_DIM, N_HEADS, N_KV, PAGE_TABLE, WRITTEN, filled_cache, run
+from attention_cases import GARBAGE_READS, HEAD_DIM, N_HEADS, N_KV, PAGE_TABLE, WRITTEN, filled_cache, run
 from strata_nb.gpu.reduce import quad_max, quad_sum
 from conftest import ON_GPU
 from strata_nb.gpu import tensor_core
 from strata_nb.gpu.tensor_core import PLACES, TILE_K, TILE_M, TILE_N, fragment_places, mma_f32, mma_ref
-from strata_nb.kernels.attention import attention_prefill, attention_prefill_mma as mma_prompt
-from strata_nb.kernels.attention.attention import ATOL, RTOL, attention, attention_ref
+from strata_nb.fast import attention_prefill, attention_prefill_mma as mma_prompt
+from strata_nb.fast.attention import attention
+from strata_nb.kernels.attention.attention import ATOL, RTOL, attention_ref
 from strata_nb.fast.matmul_mma import matmul_mma
 from strata_nb.kernels.dense.matmul import matmul, matmul_ref
 from strata_nb.kernels.dense.matvec import dot_tolerance
 from strata_nb.kv_layout import all_blocks_upto, shared_blocks_upto
 from strata_nb.model.dequant import dequantize
 from test_dense_kernels import MATMUL_CASES, check_product, quantized, within
+
+pytestmark = GARBAGE_READS  # the attention cases' unwritten cells (attention_cases.py)
 
 
 def fragments_of(a, b, c):

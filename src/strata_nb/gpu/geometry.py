@@ -58,7 +58,13 @@ EXPERT_DOWN_WARPS = on_gpu(8, simulator=1)  # the fast expert_down's warps a blo
 FETCH_BLOCKS = on_gpu(32, simulator=2)  # thread blocks copying one missed expert of a prompt chunk
 FETCH_THREADS = on_gpu(256, simulator=32)
 
-# ---- attention: kernels/attention/ -----------------------------------------------------
+# ---- kv: kernels/kv/ -------------------------------------------------------------------
+# threads quantizing one 32-value group of the key sketch: a warp, a value a lane; one
+# thread walking the group alone under the simulator, where each of a warp's trades is a
+# block-wide barrier of Python threads (CHANGELOG.md has what it cost)
+SKETCH_LANES = on_gpu(32, simulator=1)
+
+# ---- attention: fast/attention_*.py (the plain kernel has a thread per head dim) ------
 PROMPT_TILE_ROWS = on_gpu(48, simulator=12)  # query rows of a prompt tile
 PROMPT_ROW_GROUPS = on_gpu(8, simulator=2)  # thread rows of a prompt tile
 PROMPT_MMA_WARPS = on_gpu(4, simulator=1)  # warps of the tensor-core prompt kernel's block, 16 rows each

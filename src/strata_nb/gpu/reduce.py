@@ -22,11 +22,10 @@ finish a row of a tensor-core product, which lies in one group (gpu/tensor_core.
 
 On the GPU there are single shuffles too: `warp_xor` (the value of the lane whose index
 differs in the given bits) and `warp_take` (the value of a given lane), for code that
-moves values between lanes itself (fwht64_lanes, quantize_q4_0_warp). They have no
-simulator version: there each shuffle would be a block-wide barrier, and a rotation's ten
-of them, for every head row of every append, would slow the simulated engine tests
-badly. So those two functions have simulator twins that trade the warp's values once
-through `exchange` and replay the same steps.
+moves values between lanes itself (gpu/warp_rows.py). They have no simulator version:
+there each shuffle would be a block-wide barrier, so warp_rows.py's functions have
+simulator twins that trade the warp's values once through `exchange` and replay the
+same steps.
 
 The version is chosen once, at import, from `gpu.geometry.SIMULATED`.
 

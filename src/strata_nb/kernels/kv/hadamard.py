@@ -16,18 +16,10 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda, float32
 
-from strata_nb.gpu.geometry import SIMULATED
-
 from strata_nb.gpu.launch import DeviceArgs, device_empty, grid_for, is_host_numpy
-from strata_nb.gpu.reduce import WARP
-
-if SIMULATED:
-    from strata_nb.gpu.reduce import exchange
-else:
-    from strata_nb.gpu.reduce import warp_xor
+from strata_nb.gpu.warp_rows import lane_butterflies
 
 N = 64  # values per transform: one head row of the default model
-LOG_N = 6  # its rounds: N = 2 ** LOG_N
 SCALE = np.float32(1 / 8)  # 1 / sqrt(64): makes H orthonormal; a power of two, so exact
 
 
@@ -70,56 +62,15 @@ def fwht64(row):
 
 
 @cuda.jit(device=True)
-def fwht64_rows(rows, n_rows, width, t, n_threads):
-    """Transform rows[r, :width] in place for r < n_rows, every 64 values: rows is a 2-D
-    shared array, and every thread of the block calls this together (thread t of
-    n_threads). fwht64's rounds with one butterfly per thread per round and a barrier
-    between rounds: the same additions in the same order, so the same bits."""
-    for lg in range(LOG_N):  # round lg pairs values h = 2**lg apart
-        h = 1 << lg
-        for p in range(t, n_rows * width // 2, n_threads):
-            r, k = p // (width // 2), p % (width // 2)
-            # pair (j, j + h) of its run of 2h values: (k // h) * 2h + k % h, in shifts
-            # (h is a power of two, and a division by a runtime value is slow on a GPU)
-            j = ((k >> lg) << (lg + 1)) | (k & (h - 1))
-            a = rows[r, j]
-            b = rows[r, j + h]
-            rows[r, j] = a + b
-            rows[r, j + h] = a - b
-        cuda.syncthreads()
-    for e in range(t, n_rows * width, n_threads):
-        rows[e // width, e % width] *= SCALE
-    cuda.syncthreads()
-
-
-if not SIMULATED:
-    @cuda.jit(device=True)
-    def fwht64_lanes(a, b, lane):
-        """A 64-value row held by one warp, two values a lane: a = row[lane], b = row[lane + 32]
-        -> the same two entries of the transformed row. Every lane of the warp calls it
-        together. Rounds h = 1..16 pair values in lanes whose index differs in bit h, so a
-        shuffle (warp_xor) brings the partner's value; the lane that holds the pair's lower
-        index keeps a + b, the other a - b (partner minus own). Round h = 32 pairs each
-        lane's own two values. fwht64's additions in its order: the same bits."""
-        for lg in range(LOG_N - 1):
-            h = 1 << lg
-            pa = warp_xor(a, h)
-            pb = warp_xor(b, h)
-            if lane & h:  # this lane holds j + h: the pair's second value
-                a, b = pa - a, pb - b
-            else:
-                a, b = a + pa, b + pb
-        a, b = a + b, a - b
-        return a * SCALE, b * SCALE
-
-else:
-    @cuda.jit(device=True)
-    def fwht64_lanes(a, b, lane):
-        """Under the simulator each shuffle is a block-wide barrier (gpu/reduce.py), so the
-        lanes trade their values once instead of ten times (two exchanges) and each runs
-        hadamard_ref's rounds, the same additions in the same order, on the whole row."""
-        row = hadamard_ref(np.concatenate((exchange(a), exchange(b))))
-        return row[lane], row[lane + WARP]
+def fwht64_lanes(a, b, lane):
+    """A 64-value row held by one warp, two values a lane: a = row[lane], b = row[lane + 32]
+    -> the same two entries of the transformed row. Every lane of the warp calls it
+    together. Rounds h = 1..16 pair values in different lanes (gpu/warp_rows.py trades
+    them); round h = 32 pairs each lane's own two values. fwht64's additions in its
+    order: the same bits."""
+    a, b = lane_butterflies(a, b, lane)
+    a, b = a + b, a - b
+    return a * SCALE, b * SCALE
 # --8<-- [end:fwht64]
 
 

@@ -13,32 +13,26 @@ step, a verify window. A rejected speculative cell's sketch is written over by t
 window with the cell itself. Until then it lies past the query, in the query's own block,
 which is always read and never scored.
 
-The kernel gives each (cell, KV head, 32-value group) one warp, a value a lane, which
-quantizes the group together as the q4_0 format's append does (`quantize_q4_0_warp`: the
-largest |x| by warp_max, d from that lane), and lanes 0..15 write its 16 code bytes: so the
-sketch's bytes equal `quantize_q4_0_ref` of the cell's K, as the tests check. One thread
-walking the group's 32 values alone is the plainer body (the simulator runs it, below),
-but a decode step on the GPU would wait for its chain of 32 loads and compares; a warp
-takes them side by side. The body is a device function (`sketch_group`) so that k8v4's
-append can run it in its own launch; under the simulator it is one thread per group
-(`LANES`).
+The kernel gives each (cell, KV head, 32-value group) LANES threads. On a GPU that is a
+warp, a value a lane, which quantizes the group together as the q4_0 format's append does
+(`quantize_q4_0_warp`: the largest |x| by warp_max, d from that lane), and lanes 0..15
+write its 16 code bytes: so the sketch's bytes equal `quantize_q4_0_ref` of the cell's K,
+as the tests check. One thread walking the group's 32 values alone
+(`quantize_q4_0_group`) is the plainer body, and the simulator's (LANES = 1, from
+gpu/geometry.py), but a decode step on the GPU would wait for its chain of 32 loads and
+compares; a warp takes them side by side. The body is a device function (`sketch_group`)
+so that k8v4's append can run it in its own launch.
 """
 from __future__ import annotations
 
 import numpy as np
 from numba import cuda
 
-from strata_nb.gpu.dependent_launch import let_next_start, wait_for_inputs, waits_for_inputs
-from strata_nb.gpu.geometry import SIMULATED, on_gpu
+from strata_nb.gpu.geometry import SKETCH_LANES as LANES
 from strata_nb.gpu.launch import DeviceArgs, expect, grid_for, view_bytes
-from strata_nb.gpu.reduce import WARP
 from strata_nb.kernels.kv.quant_q4_0 import (D_STRIDE, HALF, quantize_q4_0_group, quantize_q4_0_ref,
                                              quantize_q4_0_warp)
 from strata_nb.kv_layout import BLOCK, Q4_BYTES, Q4_GROUP
-
-# Threads a (cell, KV head, group) takes: a warp on the GPU; one under the simulator, where
-# every shuffle is a block-wide barrier of Python threads (CHANGELOG.md has what it cost)
-LANES = on_gpu(WARP, simulator=1)
 
 
 def sketch_shape(n_blocks: int, n_kv: int, head_dim: int) -> tuple:
@@ -57,41 +51,32 @@ def key_sketch_ref(k_new,      # (n, n_kv, hd) float32 the appended K (as stored
 
 
 # --8<-- [start:key_sketch_kernel]
-if not SIMULATED:
-    @cuda.jit(device=True)
-    def sketch_group(unit, lane, k_new, positions, sketch, sketch_d):
-        # warp `unit`: cell i, KV head h, 32-value group g of the head's row; a value a lane.
-        # Warps past the last group redo the last one without writing: warp_max needs every
-        # lane of the block.
-        n, n_kv, hd = k_new.shape
-        groups = hd // Q4_GROUP
-        writes = unit < n * n_kv * groups
-        unit = min(unit, n * n_kv * groups - 1)
-        i, h, g = unit // (n_kv * groups), unit // groups % n_kv, unit % groups
-        b, c = positions[i] // BLOCK, positions[i] % BLOCK
-        byte, d = quantize_q4_0_warp(k_new[i, h, g * Q4_GROUP + lane], lane)
-        if writes and lane < HALF:
-            sketch[b, h, c, g * Q4_BYTES + 2 + lane] = byte
-        if writes and lane == 0:
-            sketch_d[b, h, c, g * D_STRIDE] = d
-else:
-    @cuda.jit(device=True)
-    def sketch_group(unit, lane, k_new, positions, sketch, sketch_d):
-        # Under the simulator one thread (lane 0) walks the group's 32 values alone, with the
-        # q4_0 format's per-thread body: the same bytes, and no barrier.
-        n, n_kv, hd = k_new.shape
-        groups = hd // Q4_GROUP
+@cuda.jit(device=True)
+def sketch_group(unit, lane, k_new, positions, sketch, sketch_d):
+    # group `unit`: cell i, KV head h, 32-value group g of the head's row
+    n, n_kv, hd = k_new.shape
+    groups = hd // Q4_GROUP
+    if LANES == 1:  # one thread walks the group's 32 values: the q4_0 format's per-thread body
         if unit < n * n_kv * groups:
             i, h, g = unit // (n_kv * groups), unit // groups % n_kv, unit % groups
             b, c = positions[i] // BLOCK, positions[i] % BLOCK
             quantize_q4_0_group(k_new[i, h], sketch[b, h, c], sketch_d[b, h, c], g)
+        return
+    # A warp, a value a lane. Warps past the last group redo the last one without
+    # writing: warp_max needs every lane of the block.
+    writes = unit < n * n_kv * groups
+    unit = min(unit, n * n_kv * groups - 1)
+    i, h, g = unit // (n_kv * groups), unit // groups % n_kv, unit % groups
+    b, c = positions[i] // BLOCK, positions[i] % BLOCK
+    byte, d = quantize_q4_0_warp(k_new[i, h, g * Q4_GROUP + lane], lane)
+    if writes and lane < HALF:
+        sketch[b, h, c, g * Q4_BYTES + 2 + lane] = byte
+    if writes and lane == 0:
+        sketch_d[b, h, c, g * D_STRIDE] = d
 
 
-@waits_for_inputs
 @cuda.jit(cache=True)
 def key_sketch_kernel(k_new, positions, sketch, sketch_d):  # as key_sketch_ref; sketch_d: its bytes as float16
-    wait_for_inputs()
-    let_next_start()  # a dependent launch: gpu/dependent_launch.py
     t = cuda.grid(1)
     sketch_group(t // LANES, t % LANES, k_new, positions, sketch, sketch_d)
 # --8<-- [end:key_sketch_kernel]

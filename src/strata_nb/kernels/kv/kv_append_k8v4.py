@@ -42,7 +42,6 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
-from strata_nb.gpu.dependent_launch import let_next_start, wait_for_inputs, waits_for_inputs
 from strata_nb.kernels.kv.key_sketch import LANES, key_sketch_ref, sketch_group, sketch_launch
 from strata_nb.kernels.kv.kv_append_q4 import append_q4_warp, kv_append_q4_ref, q4_launch
 from strata_nb.kernels.kv.kv_append_q8 import append_q8_warp, kv_append_q8_ref, q8_launch
@@ -88,7 +87,6 @@ def kv_append_k8v4_ref(k, v, positions, page_table, pool, host, *, fold_v_half=T
 
 
 # --8<-- [start:kv_append_k8v4_kernel]
-@waits_for_inputs
 @cuda.jit(cache=True)
 def kv_append_k8v4_kernel(q8_warps,        # int32: warps of the K half; the V half's come after them
                           append_threads,  # int32: the threads of both halves' thread blocks
@@ -97,8 +95,6 @@ def kv_append_k8v4_kernel(q8_warps,        # int32: warps of the K half; the V h
                           v4_k, v4_v, v4_pos, v4_table, v_q4, v_d, v_q4_v, v_d_v,  # append_q4_warp's
                           v4_host_q4, v4_host_d, v4_host_q4_v, v4_host_d_v, v4_rotate,  # arrays: the V half
                           sketch, sketch_d):  # QSA's key sketch (key_sketch), or (0, ...) when not kept
-    wait_for_inputs()
-    let_next_start()  # a dependent launch: gpu/dependent_launch.py
     thread = cuda.grid(1)
     if thread >= append_threads:  # thread blocks of their own: the sketch's warps
         t = thread - append_threads

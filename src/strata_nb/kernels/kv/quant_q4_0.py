@@ -28,18 +28,13 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda, float32
 
-from strata_nb.gpu.geometry import SIMULATED
 from numba.core.types import float16
 
 from strata_nb.gpu.launch import DeviceArgs, device_empty, grid_for, is_host_numpy
+from strata_nb.gpu.rounding import mul_rn
+from strata_nb.gpu.warp_rows import largest_and_across
 from strata_nb.kernels.kv.quant_int8 import sanitize, sanitize_ref
-from strata_nb.gpu.reduce import warp_max
 from strata_nb.kv_layout import Q4_BYTES, Q4_GROUP
-
-if SIMULATED:
-    from strata_nb.gpu.reduce import exchange
-else:
-    from strata_nb.gpu.reduce import warp_take
 
 HALF = Q4_GROUP // 2  # 16: value j and value j + 16 share byte j
 D_STRIDE = Q4_BYTES // 2  # 9: float16 elements per block, d being the first
@@ -72,26 +67,12 @@ def dequantize_q4_0_ref(q4):
 
 
 # --8<-- [start:quantize_q4_0_device]
-if SIMULATED:
-    @cuda.jit(device=True)
-    def mul_rn(a, b):
-        return a * b  # the simulator is plain Python and never fuses
-else:
-    from numba.cuda import libdevice
-
-    @cuda.jit(device=True)
-    def mul_rn(a, b):
-        # The GPU compiler fuses `x * id + 8.5` into one fma, which rounds once where
-        # gguf's NumPy rounds twice, so a code at a boundary can differ (on an H200, 7
-        # of 2,097,152 blocks of normal data did). __nv_fmul_rn is a multiply the
-        # compiler never fuses.
-        return libdevice.fmul_rn(a, b)
-
-
 @cuda.jit(device=True)
 def q4_code(x, inv_d):
     """One value's 4-bit code; x is already sanitized. Adding 8.5 and truncating rounds
-    x / d half up and shifts -8..8 to 0..16 (16, only reached by -big, clamps to 15)."""
+    x / d half up and shifts -8..8 to 0..16 (16, only reached by -big, clamps to 15).
+    mul_rn: a multiply never fused with the add (gpu/rounding.py), as gguf's NumPy rounds
+    twice."""
     y = mul_rn(x, inv_d) + float32(8.5)
     return min(15, max(0, int(y)))  # int() truncates toward zero, like np.trunc
 
@@ -118,37 +99,19 @@ def quantize_q4_0_group(x,     # (head_dim,) float32: one head row
         q4[g * Q4_BYTES + 2 + j] = low | (high << 4)
 
 
-if not SIMULATED:
-    @cuda.jit(device=True)
-    def quantize_q4_0_warp(v,      # this lane's value of the 32-value block: lane l holds value l
-                           lane):  # this lane of the warp that quantizes the block
-        """A warp quantizes one block it holds, a value a lane. Returns the lane's code byte
-        (for lanes 0..15: value l in the low nibble, value l + 16 in the high one; the other
-        lanes' is unused) and the block's fp16 d. `big` is the value of the first lane whose
-        |x| is the warp's largest, as argmax keeps the first of equals: the lowest such lane
-        is a max over -lane. It is taken from that lane, so a -0.0 keeps its sign. Every lane
-        of the warp must call it together."""
-        v = sanitize(v)
-        largest = warp_max(abs(v))
-        first = int(-warp_max(float32(-lane) if abs(v) == largest else float32(-Q4_GROUP)))
-        d = warp_take(v, first) / float32(-8.0)
-        inv_d = float32(1.0) / d if d != 0 else float32(0.0)
-        high = q4_code(warp_take(v, (lane + HALF) % Q4_GROUP), inv_d)
-        return q4_code(v, inv_d) | (high << 4), float16(d)  # float32 -> fp16, round to nearest even
-
-else:
-    @cuda.jit(device=True)
-    def quantize_q4_0_warp(v, lane):
-        """Under the simulator each shuffle would be a block-wide barrier (gpu/reduce.py): the
-        lanes trade their sanitized values once (one exchange instead of the GPU version's
-        two warp_max and two warp_take) and each takes the same steps on the block: the
-        largest |x|, the first lane that has it, d, and its two codes."""
-        vals = exchange(sanitize(v))  # (32,) the block, sanitized by each lane as above
-        first = int(np.argmax(np.abs(vals)))  # argmax takes the first of equals
-        d = vals[first] / float32(-8.0)
-        inv_d = float32(1.0) / d if d != 0 else float32(0.0)
-        high = q4_code(vals[(lane + HALF) % Q4_GROUP], inv_d)
-        return q4_code(vals[lane], inv_d) | (high << 4), float16(d)
+@cuda.jit(device=True)
+def quantize_q4_0_warp(v,      # this lane's value of the 32-value block: lane l holds value l
+                       lane):  # this lane of the warp that quantizes the block
+    """A warp quantizes one block it holds, a value a lane. Returns the lane's code byte
+    (for lanes 0..15: value l in the low nibble, value l + 16 in the high one; the other
+    lanes' is unused) and the block's fp16 d. Every lane of the warp must call it
+    together: `big` and the value 16 lanes on come from the other lanes (gpu/warp_rows.py)."""
+    v = sanitize(v)
+    big, across = largest_and_across(v, lane)  # big: the first of equals, as argmax
+    d = big / float32(-8.0)
+    inv_d = float32(1.0) / d if d != 0 else float32(0.0)
+    high = q4_code(across, inv_d)
+    return q4_code(v, inv_d) | (high << 4), float16(d)  # float32 -> fp16, round to nearest even
 
 
 @cuda.jit(device=True)

@@ -1,6 +1,7 @@
-"""Attention for a prompt chunk on tensor cores: the prompt kernel of attention_prefill.py
-(read it first) with its two products, the scores and the V sums, as warp-wide matrix
-products (gpu/tensor_core.py) instead of each thread's fused multiply-adds.
+"""Plain twin: kernels/attention/attention.py attention_kernel. Attention for a prompt
+chunk on tensor cores: the prompt kernel of attention_prefill.py (read it first) with
+its two products, the scores and the V sums, as warp-wide matrix products
+(gpu/tensor_core.py) instead of each thread's fused multiply-adds.
 
 What stays: one thread block per (tile of queries, KV head, split), the same rows (the G
 query heads of the KV head for each query of the tile), the same rounds of 4 selected
@@ -36,12 +37,12 @@ import math
 
 from numba import cuda, float32, int32, uint64
 
+from strata_nb.fast.attention_prefill import make_round_loader, tile_cells
 from strata_nb.gpu import tensor_core
 from strata_nb.gpu.geometry import PROMPT_MMA_WARPS
 from strata_nb.gpu.reduce import WARP, quad_max, quad_sum
 from strata_nb.gpu.tensor_core import TILE_K, TILE_M, TILE_N, mma_f32
-from strata_nb.kernels.attention.attention_prefill import make_round_loader, tile_cells
-from strata_nb.kernels.attention.attention_step import NEG_INF
+from strata_nb.kernels.attention.attention import NEG_INF
 from strata_nb.kernels.kv.kv_readers import READERS, SIDES
 from strata_nb.kv_layout import BLOCK
 

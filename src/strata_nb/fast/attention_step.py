@@ -1,24 +1,16 @@
-"""Attention for a decode step or a verify window: one query per thread block. Its
-reference is attention_ref (attention.py), whose launcher `attention()` checks the
-arrays, moves them and calls the launchers here.
+"""Plain twin: kernels/attention/attention.py attention_kernel. A split of the selection
+per thread block, merged in the same launch by the block that finishes last: a long
+context fills the GPU, and each K and V row is read once for the G heads that share it.
+fast/attention.py's `attention()` checks the arrays, moves them and calls the launcher
+here for a decode step or a verify window (one query per thread block).
 
 Index legend as attention.py: Q queries, H query heads, G = H // n_kv query heads per
 KV head, D head_dim; a split is `per_split` consecutive columns of the selection, so
 C = per_split * 16 cells.
 
-Two kernels, in the order to read them:
-
-`attention_step_kernel1`, the plain one: a thread block per (query, head) and a thread
-per output dim. It walks the query's selected blocks one after another; for each it
-reads the block's K and V columns through the format's readers (kv_readers.py), 16
-threads score its 16 cells, and every thread folds them into an online softmax (a
-running max m, sum of weights l and weighted V sum, rescaled when the max grows). No
-splits, no merge: the whole selection is one thread block's loop.
-
-`attention_step_kernel`, the one the engine runs. One thread block per (query, head)
-leaves most of a GPU idle and reads each K and V row G times; this one takes a (query,
-KV head, split) per thread block, so a long context fills the GPU, and spreads every
-stage of the split over the block's threads:
+The plain kernel's thread block per (query, head) leaves most of a GPU idle and reads
+each K and V row G times. `attention_step_kernel` takes a (query, KV head, split) per
+thread block instead, and spreads every stage of the split over the block's threads:
 
     unpack    the split's K and V, dequantized into shared tiles: 16 values per
               column read, neighbouring threads on neighbouring bytes, each byte once
@@ -57,8 +49,8 @@ same arithmetic in the same order, so their bits are the same.
 With `rotate`, the merging block also applies the Hadamard transform to each head row
 (hadamard.py's butterflies, one pair per thread per round, the same additions in the
 same order: the same bits as hadamard_ref on the output), which is how a rotated V comes
-back without another launch. The plain kernel's launcher rotates its output with a
-second launch (hadamard).
+back without another launch. The plain launcher rotates its output with a second
+launch (hadamard).
 
 Tolerance against attention_ref: attention.py's ATOL and RTOL. The arithmetic differs
 from the reference only in the order of float32 sums (a 64-term dot per score, the
@@ -71,18 +63,17 @@ import math
 import numpy as np
 from numba import cuda, float32, int32
 
-from strata_nb.kernels.kv.hadamard import fwht64_rows, hadamard
-from strata_nb.kernels.kv.kv_readers import READERS, SIDES
 from strata_nb.gpu.dependent_launch import let_next_start, wait_for_inputs, waits_for_inputs
-from strata_nb.gpu.launch import device_empty, last_to_arrive, stream, ticket_counters
 from strata_nb.gpu.geometry import MERGE_UNROLL, SIMULATED, STEP_THREADS, multiprocessors
+from strata_nb.gpu.launch import device_empty, last_to_arrive, stream, ticket_counters
 from strata_nb.gpu.reduce import WARP, warp_max, warp_sum
+from strata_nb.kernels.attention.attention import MAX_HEAD_DIM, NEG_INF
+from strata_nb.kernels.kv.hadamard import N as HADAMARD_N, SCALE as HADAMARD_SCALE
+from strata_nb.kernels.kv.kv_readers import READERS, SIDES
 from strata_nb.kv_layout import BLOCK
 
-NEG_INF = np.float32(-np.inf)
 MAX_GROUP = 8  # query heads per KV head the shared arrays hold
 HEAD_DIMS = (32, 64, 128)  # head_dim is compiled into the kernel: these are built
-MAX_HEAD_DIM = 128
 Q_VALUES = MAX_GROUP * MAX_HEAD_DIM  # the G query rows of one KV head
 MAX_SPLIT_BLOCKS = 8
 MAX_SPLIT_CELLS = MAX_SPLIT_BLOCKS * BLOCK
@@ -100,6 +91,31 @@ STEP_BLOCKS_PER_SPLIT = 4
 # most this many, so score_parts and split_lanes use fewer threads for a large G or D.
 SCORE_VALUES = MAX_GROUP * 128
 RECORD_PAD = 32  # floats after a record's D sums: m, l, then padding to whole 128-byte lines
+HADAMARD_ROUNDS = HADAMARD_N.bit_length() - 1  # 6: 64 = 2 ** 6
+
+
+@cuda.jit(device=True)
+def fwht64_rows(rows, n_rows, width, t, n_threads):
+    """Transform rows[r, :width] in place for r < n_rows, every 64 values: rows is a 2-D
+    shared array, and every thread of the block calls this together (thread t of
+    n_threads). hadamard.py's fwht64 rounds with one butterfly per thread per round and a
+    barrier between rounds: the same additions in the same order, so the same bits as
+    hadamard_ref; the merging block rotates its output with it."""
+    for lg in range(HADAMARD_ROUNDS):  # round lg pairs values h = 2**lg apart
+        h = 1 << lg
+        for p in range(t, n_rows * width // 2, n_threads):
+            r, k = p // (width // 2), p % (width // 2)
+            # pair (j, j + h) of its run of 2h values: (k // h) * 2h + k % h, in shifts
+            # (h is a power of two, and a division by a runtime value is slow on a GPU)
+            j = ((k >> lg) << (lg + 1)) | (k & (h - 1))
+            a = rows[r, j]
+            b = rows[r, j + h]
+            rows[r, j] = a + b
+            rows[r, j + h] = a - b
+        cuda.syncthreads()
+    for e in range(t, n_rows * width, n_threads):
+        rows[e // width, e % width] *= HADAMARD_SCALE
+    cuda.syncthreads()
 
 
 def split_fits(head_dim: int) -> int:
@@ -145,83 +161,6 @@ def max_cells(head_dim: int, group: int) -> int:
     per_split = default_per_split(head_dim)
     unit = split_lanes(head_dim, group) * MERGE_UNROLL
     return K_TILE_VALUES // group // unit * unit * per_split * BLOCK
-
-
-# --8<-- [start:attention_step_kernel1]
-def make_attention_step_kernel1(read_k, read_v):
-    """The plain kernel for one format: how it reads a column of K and of V (kv_readers.py)."""
-
-    @cuda.jit(cache=True)
-    def attention_step_kernel1(q,           # (Q, H, D) float32
-                               q_pos,       # (Q,) int32
-                               blocks,      # (Q, S) int32, -1 = padding
-                               page_table,  # (n_logical_blocks,) int32
-                               scale,       # float32: 1 / sqrt(D)
-                               pool_ka, pool_kb, pool_va, pool_vb,  # K and V of the pool, by slot
-                               host_ka, host_kb, host_va, host_vb,  # the same by logical block, or (0, ...)
-                               out):        # (Q, H, D) float32, written
-        i, h, d = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x  # query, head, this thread's dim
-        D = q.shape[2]
-        kv_h = h // (q.shape[1] // pool_ka.shape[1])  # GQA: consecutive heads share a KV head
-        pos = q_pos[i]
-        q_s = cuda.shared.array(MAX_HEAD_DIM, float32)  # the query's head row
-        k_s = cuda.shared.array((BLOCK, MAX_HEAD_DIM), float32)  # a block's 16 K rows
-        scores = cuda.shared.array(BLOCK, float32)  # their scores
-        k_col = cuda.local.array(BLOCK, float32)  # value d of the 16 K rows
-        v_col = cuda.local.array(BLOCK, float32)  # value d of the 16 V rows
-        q_s[d] = q[i, h, d]
-        m, l, acc = NEG_INF, float32(0.0), float32(0.0)  # running max, sum of weights, weighted V sum
-        for s in range(blocks.shape[1]):
-            b = blocks[i, s]
-            if b < 0 or b * BLOCK > pos:
-                continue  # padding, or a block wholly after the query: the same for every thread
-            slot = page_table[b]
-            if slot >= 0:  # resident: its VRAM slot; else in place from the host copy
-                read_k(pool_ka, pool_kb, slot, kv_h, d, k_col)
-                read_v(pool_va, pool_vb, slot, kv_h, d, v_col)
-            else:
-                read_k(host_ka, host_kb, b, kv_h, d, k_col)
-                read_v(host_va, host_vb, b, kv_h, d, v_col)
-            for c in range(BLOCK):
-                k_s[c, d] = k_col[c]
-            cuda.syncthreads()  # the block's K rows (and q) are in
-            if d < BLOCK and b * BLOCK + d <= pos:  # thread c scores cell c, if the query sees it
-                dot = float32(0.0)
-                for j in range(D):
-                    dot += q_s[j] * k_s[d, j]
-                scores[d] = dot * scale
-            cuda.syncthreads()  # the scores are in
-            # The cells up to the query's position; those after it (unwritten bytes, maybe
-            # NaN) are never scored or weighted.
-            for c in range(min(BLOCK, pos - b * BLOCK + 1)):
-                m_new = max(m, scores[c])
-                rescale = math.exp(m - m_new)  # exp(-inf) = 0 at the first cell
-                p = math.exp(scores[c] - m_new)
-                l = l * rescale + p
-                acc = acc * rescale + p * v_col[c]
-                m = m_new
-            cuda.syncthreads()  # every thread is done with k_s and scores before the next block
-        out[i, h, d] = acc / l if l > 0 else float32(0.0)  # no cell seen: 0, as the reference
-
-    return attention_step_kernel1
-
-
-STEP_KERNELS1 = {fmt: make_attention_step_kernel1(READERS[k], READERS[v]) for fmt, (k, v) in SIDES.items()}
-# --8<-- [end:attention_step_kernel1]
-
-
-def attention_step1(fmt, args, sides, out, rotate_out: bool):
-    """Launch the plain kernel, a thread block per (query, head) and a thread per dim, then
-    H on the output where asked; attention(plain=True) has checked the arrays and moved
-    them. args: (q, q_pos, blocks, page_table, scale), sides: the eight pool and host
-    arrays (attention.py: side_arrays), out: the device output."""
-    q = args[0]
-    n_q, n_heads, head_dim = q.shape
-    assert BLOCK <= head_dim <= MAX_HEAD_DIM, f"head_dim {head_dim}: the plain kernel needs {BLOCK}..{MAX_HEAD_DIM}"
-    mixed = device_empty(q.shape, np.float32) if rotate_out else out
-    STEP_KERNELS1[fmt][(n_q, n_heads), head_dim, stream()](*args, *sides, mixed)
-    if rotate_out:
-        hadamard(mixed, out=out)
 
 
 # --8<-- [start:attention_step_kernel]
@@ -588,9 +527,9 @@ def two_per_sm_columns(n_kv: int, head_dim: int) -> int:
 
 
 def attention_step(fmt, n_kv, args, sides, out, rotate_out: bool, per_split: int | None, ordered: bool = False):
-    """Launch the step kernel; attention() has checked the arrays and moved them.
-    args: (q, q_pos, blocks, page_table, scale), sides: the eight pool and host arrays
-    (attention.py: side_arrays), out: the device output. per_split None = the default.
+    """Launch the step kernel; attention() (fast/attention.py) has checked the arrays and
+    moved them. args: (q, q_pos, blocks, page_table, scale), sides: the eight pool and host
+    arrays (kv_readers.py: side_arrays), out: the device output. per_split None = the default.
     ordered: every row of blocks ascends with its -1 padding at the end, so a query whose
     cells all lie in its first split skips the merge (the kernel's lone split)."""
     q, blocks = args[0], args[2]

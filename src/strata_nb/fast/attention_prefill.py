@@ -1,6 +1,9 @@
-"""Attention for a prompt chunk: a tile of queries per thread block, register tiles, and
-a combine kernel that merges the splits. The reference, the dispatcher that picks this
-or the decode kernels (attention_step.py), and the tolerance are in attention.py.
+"""Plain twin: kernels/attention/attention.py attention_kernel. Attention for a prompt
+chunk, a tile of queries per thread block: each selected block is unpacked once for all
+the tile's rows, and the scores and V sums are register-tiled matrix products; a combine
+kernel merges the splits. fast/attention.py's `attention()` checks the arrays and picks
+this, the tensor-core tiles (attention_prefill_mma.py) or the step kernel
+(attention_step.py).
 
 Index legend as attention.py: Q queries, H query heads, G = H // n_kv query heads per KV
 head, D head_dim, S selected blocks per query.
@@ -21,10 +24,11 @@ import math
 import numpy as np
 from numba import cuda, float32, int32, uint64
 
+from strata_nb.fast.attention_step import HEAD_DIMS
 from strata_nb.gpu.geometry import (PROMPT_ALONE_BLOCKS_PER_SPLIT, PROMPT_ALONE_COMBINE_GROUPS,
                                     PROMPT_BLOCKS_PER_SPLIT, PROMPT_ROW_GROUPS, PROMPT_TILE_ROWS)
 from strata_nb.gpu.launch import device_empty, stream
-from strata_nb.kernels.attention.attention_step import HEAD_DIMS, MAX_HEAD_DIM, NEG_INF
+from strata_nb.kernels.attention.attention import MAX_HEAD_DIM, NEG_INF
 from strata_nb.kernels.kv.hadamard import hadamard
 from strata_nb.kernels.kv.kv_readers import READERS, SIDES
 from strata_nb.kv_layout import BLOCK
@@ -404,9 +408,9 @@ def tile_for(blocks, group: int, head_dim: int, n_q: int | None = None, most: in
 # --8<-- [start:attention_prompt]
 def attention_prompt(fmt, n_kv, args, sides, out, rotate_out: bool, per_split: int | None, combine_groups: int,
                      tile: int, rows_alone: bool = False, kernel=None, threads: int | None = None):
-    """Launch the prompt kernel and the combine; attention() has checked the arrays and
-    moved them. args: (q, q_pos, blocks, page_table, scale), sides: the eight pool and
-    host arrays (attention.py: side_arrays), out: the device output. per_split None = a
+    """Launch the prompt kernel and the combine; attention() (fast/attention.py) has checked
+    the arrays and moved them. args: (q, q_pos, blocks, page_table, scale), sides: the eight
+    pool and host arrays (kv_readers.py: side_arrays), out: the device output. per_split None = a
     few waves of thread blocks in all, in whole rounds. kernel, threads: another kernel
     of the same arguments and grid to run (attention_prefill_mma.py's), and its block's
     threads; None = this file's.
