@@ -4,9 +4,9 @@ figure is typed by hand (tests/test_docs.py checks both are up to date):
 - README.md, between its bench-table markers: decode tok/s at each depth and prefill
   tok/s at the deepest, per format and mode, from docs/measured/bench/bench.json
   (the latest `strata-nb bench` run);
-- docs/measured/lessons/<id>.md: each "How it got fast" section's before/after figure,
-  and docs/measured/lessons/all.md, every figure in one table, from
-  docs/measured/lessons.json;
+- docs/measured/lessons/<id>.md: each "From plain to fast" lesson's before/after figure,
+  with the hardware and the command that measured it, and docs/measured/lessons/all.md,
+  every figure in one table, from docs/measured/lessons.json;
 - docs/measured/experts/experts.md: the MoE bench table (the dense model, the split
   E = K file, the copies file at each expert-cache size), from the `strata-nb bench`
   files in docs/measured/experts/, and on a plain run its plot,
@@ -74,22 +74,31 @@ def figure(x: float) -> str:
 
 
 def lesson_table(lesson: dict) -> str:
+    """The lesson's figure, then the hardware and the command that measured it (and the
+    lesson's note: how it was run, what else the same runs gave)."""
+    note = f", {lesson['note']}" if lesson.get("note") else ""
     return "\n".join([
         f"| {lesson['measure']} | {lesson['unit']} |",
         "| --- | ---: |",
         f"| before: {lesson['before_label']} | {figure(lesson['before'])} |",
         f"| after: {lesson['after_label']} | **{figure(lesson['after'])}** |",
         "",
-        f"Measured with {lesson['source']}.",
+        f"Measured on {lesson['hardware']}: `{lesson['command']}`{note}.",
     ]) + "\n"
 
 
 def all_lessons_table(lessons: list[dict]) -> str:
-    lines = ["| section | measure | before | after | unit |", "| --- | --- | ---: | ---: | --- |"]
+    lines = ["| lesson | measure | before | after | unit | on |", "| --- | --- | ---: | ---: | --- | --- |"]
     for ls in lessons:
         lines.append(f"| [{ls['title']}](#{ls['anchor']}) | {ls['measure']} | "
-                     f"{figure(ls['before'])} | {figure(ls['after'])} | {ls['unit']} |")
+                     f"{figure(ls['before'])} | {figure(ls['after'])} | {ls['unit']} | {short_hardware(ls)} |")
     return "\n".join(lines) + "\n"
+
+
+def short_hardware(lesson: dict) -> str:
+    """The table's column: the GPU's name (H100, H200), or what measured it without one."""
+    m = re.fullmatch(r"an NVIDIA (\S+)", lesson["hardware"])
+    return m.group(1) if m else "no GPU (ptxas)"
 
 
 # ---- the expert cache: docs/measured/experts/ ---------------------------------------
