@@ -36,7 +36,7 @@ LESSONS_JSON = ROOT / "docs" / "measured" / "lessons.json"
 LESSONS_DIR = ROOT / "docs" / "measured" / "lessons"
 README = ROOT / "README.md"
 NEEDLE_DIR = ROOT / "docs" / "measured" / "needle"  # needle.json, needle_quest_bound.json: one probe run each
-NEEDLE_RUNS = {"needle": "the key sketch", "needle_quest_bound": "Quest's bound (the code before the key sketch, 85b06f6)"}
+NEEDLE_RUNS = {"needle": "the key sketch", "needle_quest_bound": "Quest's bound (the code before the key sketch)"}
 EXPERTS_DIR = ROOT / "docs" / "measured" / "experts"  # dense.json, split.json, copies.json: one bench run each
 EXPERTS_MD = EXPERTS_DIR / "experts.md"
 EXPERTS_PNG = ROOT / "docs" / "assets" / "expert_hit_rate.png"
@@ -262,12 +262,13 @@ def needle_page(result: dict, scores: str) -> str:
 
 def needle_speed(before: dict, after: dict, code: str = "with it", sketch: str = "key sketch") -> str:
     """Decode tok/s per (mode, depth) with Quest's bound and with the key sketch: `code`
-    says which code the second run is (the sketch's commit, or a later one)."""
+    says which code the second run is (the sketch's own, or a later engine's)."""
     rate = lambda bench: {(r["mode"], r["depth"]): r["decode_tok_s"] for r in bench["rows"]}  # noqa: E731
     old, new = rate(before), rate(after)
     weights = " (random weights of the default model's shapes)" if after.get("model") == "synthetic" else ""
-    lines = [f"Measured with `{after['command'].split(' --out')[0]}`{weights} on an {after['device']}, at the code "
-             f"before the key sketch (85b06f6) and {code}; medians of {after['runs']} runs.\n",
+    command = re.sub(r"--model \S*/", "--model ", after["command"].split(" --out")[0])  # the file, not its machine path
+    lines = [f"Measured with `{command}`{weights} on an {after['device']}, at the code "
+             f"before the key sketch and {code}; medians of {after['runs']} runs.\n",
              f"| k8v4 | depth | decode tok/s, Quest's bound | decode tok/s, {sketch} | {sketch} / bound |",
              "| --- | ---: | ---: | ---: | ---: |"]
     for mode, depth in sorted(new, key=lambda k: (k[1], k[0])):
@@ -291,7 +292,8 @@ def outputs() -> dict[Path, str]:
                                                   for n in ("quest_bound", "key_sketch")))
     out[NEEDLE_DIR / "speed_h100.md"] = needle_speed(
         *(json.loads((NEEDLE_DIR / f"bench_{n}_h100.json").read_text()) for n in ("quest_bound", "key_sketch")),
-        code="at 9037cd0 (the engine of 2026-12-06), one after the other on one machine", sketch="9037cd0")
+        code="at a later engine's (select_blocks launched plain), one after the other on one machine",
+        sketch="later engine")
     for name, scores in NEEDLE_RUNS.items():
         out[NEEDLE_DIR / f"{name}.md"] = needle_page(json.loads((NEEDLE_DIR / f"{name}.json").read_text()), scores)
     return out
