@@ -77,6 +77,24 @@ def test_reading_the_code_names_every_file():
     assert not missing, f"docs/reading-the-code.md does not map: {missing}"
 
 
+PLAIN_TIER = re.compile(r"the plain tier in reading order: \*\*(\d+) files, ([\d,]+) lines\*\*")
+
+
+def test_reading_the_code_lists_the_plain_tier_in_reading_order():
+    """Every file of the plain tier (src/strata_nb/kernels/, less the empty package files)
+    is a row of the reading-order table, and the page's count of its files and lines is
+    today's."""
+    page = (DOCS / "reading-the-code.md").read_text()
+    found = PLAIN_TIER.search(page)
+    assert found, "docs/reading-the-code.md does not state the plain tier's files and lines"
+    table = page[found.end():].split("\n## ")[0]
+    files = [f for f in sorted((ROOT / "src" / "strata_nb" / "kernels").rglob("*.py")) if f.name != "__init__.py"]
+    listed = re.findall(r"^\| \d+ \| `src/strata_nb/kernels/([\w/]+\.py)`", table, re.MULTILINE)
+    assert sorted(listed) == sorted(str(f.relative_to(ROOT / "src/strata_nb/kernels")) for f in files)
+    lines = sum(len(f.read_text().splitlines()) for f in files)
+    assert (int(found[1]), int(found[2].replace(",", ""))) == (len(files), lines)
+
+
 def test_every_example_is_shown_on_a_page():
     pages = "\n".join(p.read_text() for p in DOCS.rglob("*.md") if p.name != "reading-the-code.md")
     for script in sorted((ROOT / "examples").glob("*.py")):

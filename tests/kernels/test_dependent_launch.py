@@ -20,20 +20,20 @@ import pytest
 from conftest import ON_GPU
 from strata_nb.fast.backend import FastCudaBackend
 from strata_nb.backend.numpy_backend import NumpyBackend
+from strata_nb.fast.advance_step import advance_step_kernel
+from strata_nb.fast.argmax import argmax_kernel
+from strata_nb.fast.attention_step import STEP_KERNELS
+from strata_nb.fast.block_scores import BLOCK_SCORES_KERNELS
 from strata_nb.fast.embed import EMBED_KERNELS, embed_rows_kernel
 from strata_nb.fast.expert_down import EXPERT_DOWN_KERNELS
 from strata_nb.fast.expert_gate_up import EXPERT_GATE_UP_KERNELS
+from strata_nb.fast.kv_append import key_sketch_kernel, kv_append_k8v4_kernel
+from strata_nb.fast.map_ring import map_ring_kernel
 from strata_nb.fast.matvec_fused import MATVEC_KERNELS
 from strata_nb.fast.route import ROUTE_KERNELS
+from strata_nb.fast.select_blocks import select_blocks_kernel
 from strata_nb.gpu.dependent_launch import dependent_launches, enabled, is_dependent
 from strata_nb.gpu.sm90 import dependent_order
-from strata_nb.fast.attention_step import STEP_KERNELS
-from strata_nb.fast.kv_append import key_sketch_kernel, kv_append_k8v4_kernel
-from strata_nb.fast.advance_step import advance_step_kernel
-from strata_nb.fast.argmax import argmax_kernel
-from strata_nb.fast.block_scores import BLOCK_SCORES_KERNELS
-from strata_nb.fast.map_ring import map_ring_kernel
-from strata_nb.fast.select_blocks import select_blocks_kernel
 
 # A decode step's kernels that wait for their inputs (a verify window runs the same), and
 # the one it launches plain

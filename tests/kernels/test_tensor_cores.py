@@ -15,8 +15,8 @@ from strata_nb.gpu import tensor_core
 from strata_nb.gpu.tensor_core import PLACES, TILE_K, TILE_M, TILE_N, fragment_places, mma_f32, mma_ref
 from strata_nb.fast import attention_prefill, attention_prefill_mma as mma_prompt
 from strata_nb.fast.attention import attention
-from strata_nb.kernels.attention.attention import ATOL, RTOL, attention_ref
 from strata_nb.fast.matmul_mma import matmul_mma
+from strata_nb.kernels.attention.attention import ATOL, RTOL, attention_ref
 from strata_nb.kernels.dense.matmul import matmul, matmul_ref
 from strata_nb.kernels.dense.matvec import dot_tolerance
 from strata_nb.kv_layout import all_blocks_upto, shared_blocks_upto

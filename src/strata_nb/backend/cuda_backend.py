@@ -31,6 +31,7 @@ from ..kernels.dense import embed, gguf_rows, matmul, matvec, residual, rmsnorm,
 from ..kernels.experts.expert_down import expert_down
 from ..kernels.experts.expert_gate_up import expert_gate_up
 from ..kernels.experts.route import MAX_DIM, MAX_EXPERTS, MAX_USED, route
+from ..kernels.step import block_scores
 from ..gpu.launch import device_empty
 from ..kv_layout import BLOCK
 from ..model.dequant import dequantize
@@ -105,6 +106,9 @@ class CudaBackend(ComposedOps):
         if not BLOCK <= cfg.head_dim <= MAX_HEAD_DIM:
             raise StrataError(f"the cuda backend's attention takes head_dim {BLOCK} .. {MAX_HEAD_DIM}; this model has "
                               f"{cfg.head_dim} (use --device cpu)")
+        if qsa and cfg.n_kv_heads > block_scores.MAX_KV:
+            raise StrataError(f"the cuda backend's QSA scores are built for at most {block_scores.MAX_KV} KV heads; "
+                              f"this model has {cfg.n_kv_heads} (run without --qsa-budget, or with --device cpu)")
 
     def dependent_launches(self) -> str:
         """Whether kernels launch as dependent (fast/dependent_launch.py): the fast tier's."""

@@ -12,7 +12,7 @@ arrays, which every launch copies over. Here they stay on the device:
 so one step's launches are the same every token and can be captured once into a CUDA graph
 (fast/cuda_graph.py) and replayed. Early in a resident cache the list is narrower: only
 its first blocks, so few that the step attention runs its build for two thread blocks an
-SM (kernels/attention/attention_step.py). So the step keeps a graph per list width, two
+SM (fast/attention_step.py). So the step keeps a graph per list width, two
 at most, and replays the one for the position. Greedy decode, and temperature / top-p sampling
 (drawn on the device from a seed and the position), then never wait on the host between
 steps: `run_ahead` queues the next step before it reads this one's 4-byte pick from mapped

@@ -66,8 +66,7 @@ class FastCudaBackend(CudaBackend):
         head, and KV heads for QSA's scores), and a step's merge holds a bounded number of
         splits: a model or a context outside them stops here, with the range, and not at
         its first launch; so does a mixture of more experts than the router kernel holds."""
-        from ..kernels.attention import attention_step
-        from ..kernels.step import block_scores
+        from . import attention_step
 
         super().check_model(cfg, qsa, max_context)
         group = cfg.n_heads // cfg.n_kv_heads
@@ -80,9 +79,6 @@ class FastCudaBackend(CudaBackend):
             raise StrataError(f"the cuda backend's step attention takes at most {most:,} cells for this model's heads "
                               f"({group} query heads per KV head of {cfg.head_dim}); --max-context is {max_context:,} "
                               f"(lower it, or use --device cpu)")
-        if qsa and cfg.n_kv_heads > block_scores.MAX_KV:
-            raise StrataError(f"the cuda backend's QSA scores are built for at most {block_scores.MAX_KV} KV heads; "
-                              f"this model has {cfg.n_kv_heads} (run without --qsa-budget, or with --device cpu)")
 
     def dependent_launches(self) -> str:
         """'on' when marked kernels launch as dependent (gpu/dependent_launch.py), 'off' when
@@ -98,7 +94,7 @@ class FastCudaBackend(CudaBackend):
         """What a prompt chunk's matmuls and attention run on: 'tensor cores'
         (matmul_mma.py, attention_prefill_mma.py; on a GPU of compute capability 8.0 and up),
         else 'plain' (matmul.py, attention_prefill.py), with why where a GPU has none."""
-        from ..kernels.attention import attention_prefill_mma
+        from . import attention_prefill_mma
 
         if not tensor_core.enabled():
             return "plain"

@@ -41,7 +41,7 @@ products agree with it to float32's precision, not bit for bit.
 
 Needs compute capability 8.0 (`available`); the kernels that use it check first. Prompt
 chunks use them (the matmul, fast/matmul_mma.py; the attention,
-kernels/attention/attention_prefill_mma.py) on every GPU that has them (`enabled`).
+fast/attention_prefill_mma.py) on every GPU that has them (`enabled`).
 Under the simulator, whose emulation above is slow, the plain kernels run unless a test
 turns them on (`_ON`).
 """

@@ -53,7 +53,7 @@ class LayerKV(KVDest):
 class KVCache:
     def __init__(self, be, cfg, settings, rows_alone: bool = False):
         """rows_alone: prompt attention gives each query the bits it gets in any chunk
-        (kernels/attention/attention_prefill.py: attention_prompt), as the forward pass's
+        (fast/attention_prefill.py: attention_prompt), as the forward pass's
         other prompt ops then do (engine/prompt_chunk.py says why)."""
         self.be, self.cfg, self.fmt = be, cfg, settings.kv
         self.rows_alone = rows_alone

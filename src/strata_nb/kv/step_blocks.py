@@ -5,7 +5,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from ..kernels.attention.attention_step import two_per_sm_columns
+from ..fast.attention_step import two_per_sm_columns
 from ..kernels.step.block_scores import block_scores, block_scores_ref
 from ..fast.select_blocks import select_blocks, select_blocks_ref
 from ..kv_layout import BLOCK
@@ -24,7 +24,7 @@ class StepBlocks:
 
     Fully resident and dense, a decode step early in the context may read a narrower list:
     its first `two_per_sm_columns` blocks, whose splits fit the step attention two thread
-    blocks to an SM (kernels/attention/attention_step.py: the build with more registers,
+    blocks to an SM (fast/attention_step.py: the build with more registers,
     faster while one wave holds them). The decode step keeps a graph for each width it
     uses (`width_for`, `narrowed`)."""
 

@@ -32,7 +32,6 @@ from numba import cuda, float32
 
 # the shapes compiled in (make_block_scores_kernel): the step attention's head_dims and
 # query heads per KV head, so a model the step takes is one QSA can score
-from strata_nb.kernels.attention.attention_step import HEAD_DIMS, MAX_GROUP
 from strata_nb.kernels.kv.quant_q4_0 import D_STRIDE, HALF, dequantize_q4_0_ref
 from strata_nb.kernels.step.select_rows import candidates
 from strata_nb.gpu.half_warp import add_half_warp
@@ -41,6 +40,8 @@ from strata_nb.gpu.reduce import NEG_INF, WARP, warp_max
 from strata_nb.kv_layout import BLOCK, Q4_BYTES, Q4_GROUP
 
 MAX_KV = 8  # KV heads
+MAX_GROUP = 8  # query heads per KV head
+HEAD_DIMS = (32, 64, 128)  # head_dim is compiled into the kernel: these are built
 
 
 # --8<-- [start:block_scores_ref]
