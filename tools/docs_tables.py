@@ -4,9 +4,9 @@ figure is typed by hand (tests/test_docs.py checks both are up to date):
 - README.md, between its bench-table markers: decode tok/s at each depth and prefill
   tok/s at the deepest, per format and mode, from docs/measured/bench/bench.json
   (the latest `strata-nb bench` run);
-- docs/measured/lessons/<id>.md: each "How it got fast" section's before/after figure,
-  and docs/measured/lessons/all.md, every figure in one table, from
-  docs/measured/lessons.json;
+- docs/measured/lessons/<id>.md: each "From plain to fast" lesson's before/after figure,
+  with the hardware and the command that measured it, and docs/measured/lessons/all.md,
+  every figure in one table, from docs/measured/lessons.json;
 - docs/measured/experts/experts.md: the MoE bench table (the dense model, the split
   E = K file, the copies file at each expert-cache size), from the `strata-nb bench`
   files in docs/measured/experts/, and on a plain run its plot,
@@ -36,7 +36,7 @@ LESSONS_JSON = ROOT / "docs" / "measured" / "lessons.json"
 LESSONS_DIR = ROOT / "docs" / "measured" / "lessons"
 README = ROOT / "README.md"
 NEEDLE_DIR = ROOT / "docs" / "measured" / "needle"  # needle.json, needle_quest_bound.json: one probe run each
-NEEDLE_RUNS = {"needle": "the key sketch", "needle_quest_bound": "Quest's bound (the code before the key sketch, 85b06f6)"}
+NEEDLE_RUNS = {"needle": "the key sketch", "needle_quest_bound": "Quest's bound (the code before the key sketch)"}
 EXPERTS_DIR = ROOT / "docs" / "measured" / "experts"  # dense.json, split.json, copies.json: one bench run each
 EXPERTS_MD = EXPERTS_DIR / "experts.md"
 EXPERTS_PNG = ROOT / "docs" / "assets" / "expert_hit_rate.png"
@@ -74,22 +74,31 @@ def figure(x: float) -> str:
 
 
 def lesson_table(lesson: dict) -> str:
+    """The lesson's figure, then the hardware and the command that measured it (and the
+    lesson's note: how it was run, what else the same runs gave)."""
+    note = f", {lesson['note']}" if lesson.get("note") else ""
     return "\n".join([
         f"| {lesson['measure']} | {lesson['unit']} |",
         "| --- | ---: |",
         f"| before: {lesson['before_label']} | {figure(lesson['before'])} |",
         f"| after: {lesson['after_label']} | **{figure(lesson['after'])}** |",
         "",
-        f"Measured with {lesson['source']}.",
+        f"Measured on {lesson['hardware']}: `{lesson['command']}`{note}.",
     ]) + "\n"
 
 
 def all_lessons_table(lessons: list[dict]) -> str:
-    lines = ["| section | measure | before | after | unit |", "| --- | --- | ---: | ---: | --- |"]
+    lines = ["| lesson | measure | before | after | unit | on |", "| --- | --- | ---: | ---: | --- | --- |"]
     for ls in lessons:
         lines.append(f"| [{ls['title']}](#{ls['anchor']}) | {ls['measure']} | "
-                     f"{figure(ls['before'])} | {figure(ls['after'])} | {ls['unit']} |")
+                     f"{figure(ls['before'])} | {figure(ls['after'])} | {ls['unit']} | {short_hardware(ls)} |")
     return "\n".join(lines) + "\n"
+
+
+def short_hardware(lesson: dict) -> str:
+    """The table's column: the GPU's name (H100, H200), or what measured it without one."""
+    m = re.fullmatch(r"an NVIDIA (\S+)", lesson["hardware"])
+    return m.group(1) if m else "no GPU (ptxas)"
 
 
 # ---- the expert cache: docs/measured/experts/ ---------------------------------------
@@ -253,12 +262,13 @@ def needle_page(result: dict, scores: str) -> str:
 
 def needle_speed(before: dict, after: dict, code: str = "with it", sketch: str = "key sketch") -> str:
     """Decode tok/s per (mode, depth) with Quest's bound and with the key sketch: `code`
-    says which code the second run is (the sketch's commit, or a later one)."""
+    says which code the second run is (the sketch's own, or a later engine's)."""
     rate = lambda bench: {(r["mode"], r["depth"]): r["decode_tok_s"] for r in bench["rows"]}  # noqa: E731
     old, new = rate(before), rate(after)
     weights = " (random weights of the default model's shapes)" if after.get("model") == "synthetic" else ""
-    lines = [f"Measured with `{after['command'].split(' --out')[0]}`{weights} on an {after['device']}, at the code "
-             f"before the key sketch (85b06f6) and {code}; medians of {after['runs']} runs.\n",
+    command = re.sub(r"--model \S*/", "--model ", after["command"].split(" --out")[0])  # the file, not its machine path
+    lines = [f"Measured with `{command}`{weights} on an {after['device']}, at the code "
+             f"before the key sketch and {code}; medians of {after['runs']} runs.\n",
              f"| k8v4 | depth | decode tok/s, Quest's bound | decode tok/s, {sketch} | {sketch} / bound |",
              "| --- | ---: | ---: | ---: | ---: |"]
     for mode, depth in sorted(new, key=lambda k: (k[1], k[0])):
@@ -282,7 +292,8 @@ def outputs() -> dict[Path, str]:
                                                   for n in ("quest_bound", "key_sketch")))
     out[NEEDLE_DIR / "speed_h100.md"] = needle_speed(
         *(json.loads((NEEDLE_DIR / f"bench_{n}_h100.json").read_text()) for n in ("quest_bound", "key_sketch")),
-        code="at 9037cd0 (the engine of 2026-12-06), one after the other on one machine", sketch="9037cd0")
+        code="at a later engine's (select_blocks launched plain), one after the other on one machine",
+        sketch="later engine")
     for name, scores in NEEDLE_RUNS.items():
         out[NEEDLE_DIR / f"{name}.md"] = needle_page(json.loads((NEEDLE_DIR / f"{name}.json").read_text()), scores)
     return out

@@ -284,6 +284,7 @@ class Engine:
         step.forget_inputs()  # a prefill came since its last step: write this reply's inputs
         return step
 
+    # --8<-- [start:next_token]
     def next_token(self, token: int, pos: int, s: SamplingSettings, rng, step: DeviceStep | None) -> int:
         """Decode `token` at `pos` and sample the next one: on the device step when there is one."""
         if step is None:
@@ -301,6 +302,7 @@ class Engine:
         for p in range(pos, pos + n):
             token = self.next_token(token, p, s, rng, step)
             yield token
+    # --8<-- [end:next_token]
 
     # --8<-- [start:speculate]
     def verify(self, window: list[int], pos: int) -> tuple[np.ndarray, int]:

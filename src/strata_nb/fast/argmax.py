@@ -13,6 +13,7 @@ from strata_nb.fast.twins import inline_body, relaunch, twin_of
 from strata_nb.gpu.dependent_launch import let_next_start, wait_for_inputs, waits_for_inputs
 from strata_nb.kernels.step import argmax as plain
 
+# --8<-- [start:argmax_twin]
 argmax_body = inline_body(plain.argmax_kernel)
 
 
@@ -26,3 +27,4 @@ def argmax_kernel(logits, part_value, part_index, arrivals, out):  # as plain.ar
 
 
 argmax = twin_of(plain.argmax)(relaunch(plain.argmax, argmax_kernel=argmax_kernel))
+# --8<-- [end:argmax_twin]

@@ -42,6 +42,7 @@ def decode_q4_0(f, c, j, w):
             w[4 + k] = (float32(byte >> 4) - float32(8.0)) * d
 
 
+# --8<-- [start:fetch_q4_1]
 @cuda.jit(device=True)
 def fetch_q4_1(a,    # (rows, in/32 * 5) uint32; a row's block blk = (d, m), then 4 words of codes
                b,    # (rows, in/32 * 10) float16: the same bytes
@@ -57,6 +58,7 @@ def decode_q4_1(f, c, j, w):
         byte = (word >> (8 * i)) & 0xFF
         w[i] = float32(byte & 0x0F) * d + m
         w[4 + i] = float32(byte >> 4) * d + m
+# --8<-- [end:fetch_q4_1]
 
 
 @cuda.jit(device=True)

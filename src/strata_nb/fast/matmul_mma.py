@@ -154,6 +154,7 @@ def make_matmul_mma_kernel(part, nibbles):
 MATMUL_MMA_KERNELS = {qtype: make_matmul_mma_kernel(part, nibbles) for qtype, (part, _, _, nibbles) in QTYPES.items()}
 
 
+# --8<-- [start:split_sums]
 @cuda.jit(cache=True)
 def sum_segments_kernel(parts,  # (segments, n, out) float32: each segment's sums
                         y):  # (n, out) float32, written
@@ -173,6 +174,7 @@ def split_for(n: int, n_in: int, n_out: int) -> int:
     GPU's SMs idle (fewer than MATMUL_MMA_SPLIT_BELOW), else 1."""
     tiles = -(-n_out // W_TILE_ROWS) * -(-n // X_TILE_ROWS)
     return segments(n_in) if tiles < MATMUL_MMA_SPLIT_BELOW else 1
+# --8<-- [end:split_sums]
 
 
 def matmul_mma(x, raw, qtype, y, splits: int | None = None):

@@ -19,6 +19,7 @@ import types
 
 from strata_nb.gpu.launch import inline_device
 
+# --8<-- [start:twin_registry]
 TWINS: dict = {}  # plain launcher -> its fast twin
 
 
@@ -64,3 +65,4 @@ def relaunch(launcher, **kernels):
     fast.__kwdefaults__ = launcher.__kwdefaults__
     fast.__doc__ = f"{launcher.__module__}.{launcher.__name__}, launching {', '.join(kernels)} of the fast tier."
     return fast
+# --8<-- [end:twin_registry]

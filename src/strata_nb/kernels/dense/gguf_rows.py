@@ -54,6 +54,7 @@ def part_q4_0(a,    # (rows, in/32 * 9) uint16; a row's block blk = d, then 8 ha
             w[4 + k] = (float32(byte >> 4) - float32(8.0)) * d
 
 
+# --8<-- [start:part_q4_1]
 @cuda.jit(device=True)
 def part_q4_1(a,    # (rows, in/32 * 5) uint32; a row's block blk = (d, m), then 4 words of codes
               b,    # (rows, in/32 * 10) float16: the same bytes
@@ -64,6 +65,7 @@ def part_q4_1(a,    # (rows, in/32 * 5) uint32; a row's block blk = (d, m), then
         byte = (word >> (8 * i)) & 0xFF
         w[i] = float32(byte & 0x0F) * d + m
         w[4 + i] = float32(byte >> 4) * d + m
+# --8<-- [end:part_q4_1]
 
 
 @cuda.jit(device=True)
