@@ -17,7 +17,7 @@ from pathlib import Path
 ON_GPU = os.environ.get("STRATA_NB_GPU") == "1"
 ALL_TIERS = os.environ.get("STRATA_NB_TESTS") == "all"
 if ON_GPU:
-    # every launch packed both ways, gpu/fast_launch.py's and Numba's, and compared
+    # every launch packed both ways, fast/fast_launch.py's and Numba's, and compared
     os.environ.setdefault("STRATA_NB_FAST_LAUNCH", "check")
 if not ON_GPU:
     os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
@@ -134,10 +134,10 @@ def pytest_terminal_summary(terminalreporter):
 # The simulator runs kernels as Python, so it accepts code the GPU compiler rejects. Each
 # simulated launch records its kernel and argument types here; tests/test_ptx_sm90.py (its
 # last test marked `last`, so run after every other) compiles each one to sm_90 PTX in a
-# process without the simulator (gpu/sm90.py).
+# process without the simulator (fast/sm90.py).
 LAUNCHES: dict = {}
 
 if not ON_GPU:
-    from strata_nb.gpu.sm90 import record_launches
+    from strata_nb.fast.sm90 import record_launches
 
     record_launches(LAUNCHES)

@@ -31,7 +31,7 @@ def test_bench_writes_json_table_and_checks_every_row(tiny_model, tmp_path, caps
         assert r["check"]["layer0"] < 0.1 * LAYER0_TOL
         assert len(r["tokens"]) == 7
     assert rows[2]["hit_rate"] is not None and rows[0]["hit_rate"] is None
-    assert result["dependent_launches"] == "no GPU"  # gpu/dependent_launch.py: a cuda backend's word
+    assert result["dependent_launches"] == "no GPU"  # fast/dependent_launch.py: a cuda backend's word
     md = (tmp_path / "bench.md").read_text()
     assert "| configuration | depth |" in md and "strata-nb bench --model" in md and "ok: " in md
     assert "dependent launches" not in md

@@ -1,4 +1,4 @@
-"""gpu/fast_launch.py packs a launch's arguments itself: the same values, of the same
+"""fast/fast_launch.py packs a launch's arguments itself: the same values, of the same
 types, that Numba's `_Kernel._prepare_args` packs, and an argument kind that settles
 Numba's type of the argument (so a remembered kernel is the one Numba would pick).
 
@@ -18,7 +18,7 @@ CHILD = textwrap.dedent(r"""
     import numpy as np
     from numba.cuda.cudadrv.devicearray import DeviceNDArray
     from numba.cuda.dispatcher import _Kernel
-    from strata_nb.gpu import fast_launch as fl
+    from strata_nb.fast import fast_launch as fl
 
     fl.install()  # its imports (the GPU path's own) work without a GPU
 
@@ -122,12 +122,12 @@ def test_a_wrong_packer_is_caught():
 
 DEPENDENT = textwrap.dedent(r"""
     import types
-    from strata_nb.gpu import fast_launch as fl
+    from strata_nb.fast import fast_launch as fl
 
     def device(cc):
         return types.SimpleNamespace(compute_capability=cc)
 
-    fl.install()  # importing strata_nb has done it already: a no-op then
+    fl.install()  # a fast backend made earlier in the process has done it already: a no-op then
     installed, fl._INSTALLED = fl._INSTALLED, False
     print("fast path off:", fl.dependent_launch_support(device((9, 0))))
     fl._INSTALLED = installed
@@ -143,7 +143,7 @@ DEPENDENT = textwrap.dedent(r"""
 
 
 def test_a_dependent_launch_s_config_and_when_there_is_none():
-    """gpu/dependent_launch.py's launches: the fast path's config for a dependent launch
+    """fast/dependent_launch.py's launches: the fast path's config for a dependent launch
     asks cuda.core for programmatic stream serialization (and is kept, as a plain one is);
     without the fast path, or on a GPU before sm_90, the support check says why not."""
     done = _child(DEPENDENT)
@@ -161,7 +161,7 @@ PLANS = textwrap.dedent(r"""
     import types
     import numpy as np
     from numba.cuda.typing.typeof import Purpose, typeof
-    from strata_nb.gpu import fast_launch as fl
+    from strata_nb.fast import fast_launch as fl
 
     fl.install()
 

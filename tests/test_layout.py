@@ -65,8 +65,8 @@ def test_simulator_geometry_is_chosen_in_one_place():
 
 # ---- the two tiers: kernels/ is the plain tier a learner reads, fast/ is fenced apart ----
 FAST_TIER_WORDS = ("wait_for_inputs", "let_next_start", "waits_for_inputs", "SIMULATED", "launch_bounds")
-FAST_TIER_MODULES = ("strata_nb.fast", "strata_nb.gpu.dependent_launch", "strata_nb.gpu.fast_launch",
-                     "strata_nb.gpu.sm90", "strata_nb.gpu.tensor_core")
+FAST_TIER_MODULES = ("strata_nb.fast", "strata_nb.fast.dependent_launch", "strata_nb.fast.fast_launch",
+                     "strata_nb.fast.sm90", "strata_nb.fast.tensor_core")
 PLAIN_FILE_LINES = 250
 
 

@@ -5,15 +5,15 @@ The simulator executes kernels as Python, so it accepts things the GPU compiler 
 (a NumPy call inside a kernel, a type that does not unify). conftest.py records each
 simulated launch's kernel and argument types; the check here is marked `last`, so it runs
 after every other test, and a child process without the simulator compiles each kernel
-with `cuda.compile_ptx(..., cc=(9, 0))`, then asks ptxas what it uses (gpu/sm90.py). A
+with `cuda.compile_ptx(..., cc=(9, 0))`, then asks ptxas what it uses (fast/sm90.py). A
 kernel whose registers spill to local memory fails: that is a slowdown the simulator cannot
-show. So does a kernel marked for dependent launches (gpu/dependent_launch.py) whose PTX
+show. So does a kernel marked for dependent launches (fast/dependent_launch.py) whose PTX
 touches global memory before its griddepcontrol.wait. No GPU needed, only NVRTC/libNVVM and ptxas (the nvidia-cuda-nvrtc-cu12 and
 nvidia-cuda-nvcc-cu12 wheels)."""
 import pytest
 
 from conftest import LAUNCHES, ON_GPU
-from strata_nb.gpu.sm90 import (compile_recorded, load_runs, nvdisasm, parse_ptxas, ptxas, variant,
+from strata_nb.fast.sm90 import (compile_recorded, load_runs, nvdisasm, parse_ptxas, ptxas, variant,
                                 warps_by_registers, wide_divides)
 
 # ptxas -v's report of a kernel that spills, as ptxas 12 words it
@@ -149,7 +149,7 @@ def test_every_simulated_kernel_compiles_for_sm90_without_spills(compiled):
 # 16 (the step attention's unpack).
 # Each bound lies between the two: now 28, 20, 12, 12, 18 and 32 (ptxas 12.9). The experts'
 # kernels are checked as built for a cache that never misses. expert_down reads before it
-# waits (gpu/dependent_launch.py): its four rows' 12 weight loads go out before the wait,
+# waits (fast/dependent_launch.py): its four rows' 12 weight loads go out before the wait,
 # and h's 8 values after it, two runs where the kernel that waited first had one of 20.
 # expert_gate_up's bound is between its warp-a-row kernel's 14 (now the plain
 # expert_gate_up_kernel, kernels/experts/) and the fast kernel's 18, which fetches its four
@@ -189,7 +189,7 @@ def test_the_step_attention_lets_the_next_kernel_start_late(compiled):
 def test_the_kernels_that_end_in_one_block_let_nothing_start_early(compiled):
     """The fast router (fast/route.py, one thread block a token) waits for the o matvec but
     lets the experts' kernel launch only at its end; select_blocks, whose last thread block
-    writes the list, is launched plain (gpu/dependent_launch.py): neither has
+    writes the list, is launched plain (fast/dependent_launch.py): neither has
     launch_dependents in its PTX."""
     failures, rows = compiled
     found = {name: [r for r in rows if r["kernel"] == name and r["module"] != "strata_nb.kernels.experts.route"]

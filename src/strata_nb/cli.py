@@ -145,7 +145,7 @@ def run(prompt, max_tokens, temperature, top_k, top_p, seed, raw, stats, **engin
                    f"({s.finish_reason})", err=True)
         if eng.be.name == "cuda":
             click.echo(f"kernels: {eng.be.kernels}", err=True)
-        if eng.be.dependent_launches() not in ("off", "no GPU", "off: plain kernels"):  # gpu/dependent_launch.py
+        if eng.be.dependent_launches() not in ("off", "no GPU", "off: plain kernels"):  # fast/dependent_launch.py
             click.echo(f"dependent launches: {eng.be.dependent_launches()}", err=True)
         prompt_kernels = eng.be.prompt_kernels(eng.config.head_dim)
         if prompt_kernels not in ("plain", "reference"):  # on a GPU: tensor cores, or why not

@@ -1,4 +1,4 @@
-"""Dependent launches (gpu/dependent_launch.py): a marked kernel waits for the kernels
+"""Dependent launches (fast/dependent_launch.py): a marked kernel waits for the kernels
 before it before it touches memory, on every path, so launching it while the one before
 runs changes no bit.
 
@@ -32,8 +32,8 @@ from strata_nb.fast.map_ring import map_ring_kernel
 from strata_nb.fast.matvec_fused import MATVEC_KERNELS
 from strata_nb.fast.route import ROUTE_KERNELS
 from strata_nb.fast.select_blocks import select_blocks_kernel
-from strata_nb.gpu.dependent_launch import dependent_launches, enabled, is_dependent
-from strata_nb.gpu.sm90 import dependent_order
+from strata_nb.fast.dependent_launch import dependent_launches, enabled, is_dependent
+from strata_nb.fast.sm90 import dependent_order
 
 # A decode step's kernels that wait for their inputs (a verify window runs the same), and
 # the one it launches plain
@@ -81,8 +81,8 @@ def test_dependent_order_reads_the_ptx():
 _CHILD = textwrap.dedent('''
     import json
     from numba import cuda
-    from strata_nb.gpu.dependent_launch import let_next_start, wait_for_inputs
-    from strata_nb.gpu.sm90 import dependent_order
+    from strata_nb.fast.dependent_launch import let_next_start, wait_for_inputs
+    from strata_nb.fast.sm90 import dependent_order
 
     def waits_first(x, y):
         wait_for_inputs()
@@ -123,7 +123,7 @@ def test_the_step_s_kernels_are_marked_and_launch_plain_when_turned_off():
     off, and under the simulator the backend says it cannot be on."""
     kernels = STEP_S_KERNELS
     assert all(getattr(k, "_strata_waits", False) for k in kernels)
-    assert not any(is_dependent(k) for k in PLAIN_KERNELS)  # select_blocks: gpu/dependent_launch.py
+    assert not any(is_dependent(k) for k in PLAIN_KERNELS)  # select_blocks: fast/dependent_launch.py
     with dependent_launches(False):
         assert not enabled() and not any(is_dependent(k) for k in kernels)
         assert FastCudaBackend().dependent_launches() == "off"
@@ -143,7 +143,7 @@ def test_dependent_launches_give_the_bits_of_plain_ones(tmp_path_factory, kv, mo
     engine's launches were dependent. moe: the same weights split into 8 experts, each
     token routed to 2 by a random router (the router, then the experts' kernels)."""
     from strata_nb.engine.engine import Engine
-    from strata_nb.gpu import fast_launch
+    from strata_nb.fast import fast_launch
     from strata_nb.model.gguf_file import GGUFModel
     from strata_nb.model.synthetic import write_default_shapes_gguf
     from strata_nb.settings import Settings

@@ -1,4 +1,4 @@
-"""Tensor cores (gpu/tensor_core.py) and the prompt kernels built on them (matmul_mma.py,
+"""Tensor cores (fast/tensor_core.py) and the prompt kernels built on them (matmul_mma.py,
 attention_prefill_mma.py): the fragment table against a plain matrix product, one warp's
 product in a kernel, the reductions over a group of 4 lanes, then each kernel against its
 reference, the attention's rows standing alone, and which kernels a prompt chunk runs.
@@ -11,8 +11,8 @@ from numba import cuda
 from attention_cases import GARBAGE_READS, HEAD_DIM, N_HEADS, N_KV, PAGE_TABLE, WRITTEN, filled_cache, run
 from strata_nb.gpu.reduce import quad_max, quad_sum
 from conftest import ON_GPU
-from strata_nb.gpu import tensor_core
-from strata_nb.gpu.tensor_core import PLACES, TILE_K, TILE_M, TILE_N, fragment_places, mma_f32, mma_ref
+from strata_nb.fast import tensor_core
+from strata_nb.fast.tensor_core import PLACES, TILE_K, TILE_M, TILE_N, fragment_places, mma_f32, mma_ref
 from strata_nb.fast import attention_prefill, attention_prefill_mma as mma_prompt
 from strata_nb.fast.attention import attention
 from strata_nb.fast.matmul_mma import matmul_mma

@@ -11,7 +11,7 @@ import pytest
 
 from strata_nb.fast.backend import FastCudaBackend
 from strata_nb.engine.engine import Engine
-from strata_nb.gpu.sm90 import record_launches
+from strata_nb.fast.sm90 import record_launches
 from strata_nb.kernels.dense.matvec import MAX_ROWS
 from strata_nb.model.gguf_file import GGUFModel
 from strata_nb.settings import SamplingSettings, Settings

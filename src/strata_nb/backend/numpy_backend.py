@@ -81,7 +81,7 @@ class NumpyBackend(ComposedOps):
         """The references take every shape the KV formats allow (kv_layout.py)."""
 
     def dependent_launches(self) -> str:
-        """How the cuda backend launches its marked kernels (gpu/dependent_launch.py)."""
+        """How the cuda backend launches its marked kernels (fast/dependent_launch.py)."""
         return "no GPU"
 
     def prompt_kernels(self, head_dim: int) -> str:

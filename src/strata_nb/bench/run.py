@@ -237,9 +237,9 @@ def bench(base, text: str, formats: list[str], streamed_formats: list[str], dept
               "copy_gb_s": copy_bandwidth(base.be),
               # resident rows' prompt chunks replayed from graphs (engine/prompt_chunk.py)
               "prompt_replayed": bool(chunks is not None and chunks.use_graph),
-              # marked kernels launched while the one before runs (gpu/dependent_launch.py)
+              # marked kernels launched while the one before runs (fast/dependent_launch.py)
               "dependent_launches": base.be.dependent_launches(),
-              # prompt chunks' matmuls and attention: plain or on tensor cores (gpu/tensor_core.py)
+              # prompt chunks' matmuls and attention: plain or on tensor cores (fast/tensor_core.py)
               "prompt_kernels": base.be.prompt_kernels(base.config.head_dim)}
     if result["dependent_launches"] not in ("off", "no GPU"):
         log(f"dependent launches: {result['dependent_launches']}")

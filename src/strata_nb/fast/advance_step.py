@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
-from strata_nb.gpu.dependent_launch import let_next_start, wait_for_inputs, waits_for_inputs
+from strata_nb.fast.dependent_launch import let_next_start, wait_for_inputs, waits_for_inputs
 from strata_nb.gpu.launch import DeviceArgs, expect, stream
 
 
@@ -34,7 +34,7 @@ def advance_step_ref(token,   # (1,) int32: the next step's input, already the g
 @cuda.jit(cache=True)
 def advance_step_kernel(token, pos, chosen):  # shapes as advance_step_ref
     wait_for_inputs()
-    let_next_start()  # a dependent launch: gpu/dependent_launch.py
+    let_next_start()  # a dependent launch: fast/dependent_launch.py
     if cuda.grid(1) == 0:
         chosen[pos[0] % chosen.shape[0]] = token[0]
         pos[0] += 1

@@ -1,5 +1,5 @@
 """Plain twin: kernels/step/argmax.py argmax_kernel, launched as dependent
-(gpu/dependent_launch.py): its thread blocks are placed while the kernel before it (the
+(fast/dependent_launch.py): its thread blocks are placed while the kernel before it (the
 logits' product) still runs, and wait for it at their first instruction.
 
 The code is the plain kernel's, inlined (twins.py: inline_body), and the launcher is the
@@ -10,7 +10,7 @@ from __future__ import annotations
 from numba import cuda
 
 from strata_nb.fast.twins import inline_body, relaunch, twin_of
-from strata_nb.gpu.dependent_launch import let_next_start, wait_for_inputs, waits_for_inputs
+from strata_nb.fast.dependent_launch import let_next_start, wait_for_inputs, waits_for_inputs
 from strata_nb.kernels.step import argmax as plain
 
 # --8<-- [start:argmax_twin]

@@ -20,7 +20,7 @@ from strata_nb.fast import attention_prefill_mma as mma_prompt
 from strata_nb.fast.attention_prefill import attention_prompt, most_queries, tile_for
 from strata_nb.fast.attention_step import attention_step
 from strata_nb.fast.twins import twin_of
-from strata_nb.gpu import tensor_core
+from strata_nb.fast import tensor_core
 from strata_nb.gpu.geometry import COMBINE_GROUPS
 from strata_nb.gpu.launch import DeviceArgs
 from strata_nb.kernels.attention import attention as plain

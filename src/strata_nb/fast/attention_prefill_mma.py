@@ -1,7 +1,7 @@
 """Plain twin: kernels/attention/attention.py attention_kernel. Attention for a prompt
 chunk on tensor cores: the prompt kernel of attention_prefill.py (read it first) with
 its two products, the scores and the V sums, as warp-wide matrix products
-(gpu/tensor_core.py) instead of each thread's fused multiply-adds.
+(fast/tensor_core.py) instead of each thread's fused multiply-adds.
 
 What stays: one thread block per (tile of queries, KV head, split), the same rows (the G
 query heads of the KV head for each query of the tile), the same rounds of 4 selected
@@ -11,7 +11,7 @@ combine kernel. A row's result depends only on that row, as there: rows_alone ho
 
 What changes is who computes what. The block's 4 warps own 16 rows each (64 rows: 21
 queries x 3 heads for the default model), and a warp computes its 16 rows whole, as tiles
-of 16 x 8 (gpu/tensor_core.py's fragments; g = lane // 4, t = lane % 4):
+of 16 x 8 (fast/tensor_core.py's fragments; g = lane // 4, t = lane % 4):
 
     q        each lane keeps its rows' q values as A fragments, in registers, for the whole
              kernel: rows g and g + 8 of the warp, dims t and t + 4 of every 8 (D / 2 floats)
@@ -38,10 +38,10 @@ import math
 from numba import cuda, float32, int32, uint64
 
 from strata_nb.fast.attention_prefill import make_round_loader, tile_cells
-from strata_nb.gpu import tensor_core
+from strata_nb.fast import tensor_core
 from strata_nb.gpu.geometry import PROMPT_MMA_WARPS
 from strata_nb.gpu.reduce import WARP, quad_max, quad_sum
-from strata_nb.gpu.tensor_core import TILE_K, TILE_M, TILE_N, mma_f32
+from strata_nb.fast.tensor_core import TILE_K, TILE_M, TILE_N, mma_f32
 from strata_nb.kernels.attention.attention import NEG_INF
 from strata_nb.kernels.kv.kv_readers import READERS, SIDES
 from strata_nb.kv_layout import BLOCK

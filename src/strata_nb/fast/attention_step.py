@@ -63,7 +63,7 @@ import math
 import numpy as np
 from numba import cuda, float32, int32
 
-from strata_nb.gpu.dependent_launch import let_next_start, wait_for_inputs, waits_for_inputs
+from strata_nb.fast.dependent_launch import let_next_start, wait_for_inputs, waits_for_inputs
 from strata_nb.gpu.geometry import MERGE_UNROLL, SIMULATED, STEP_THREADS, multiprocessors
 from strata_nb.gpu.launch import device_empty, last_to_arrive, stream, ticket_counters
 from strata_nb.gpu.reduce import WARP, warp_max, warp_sum
@@ -324,7 +324,7 @@ def make_attention_step_kernel(read_k, read_v, G, D, per_split, per_sm=3):
         # tells two kernels of one factory apart by their closures, not their launch bounds.
         _ = per_sm
         # A dependent launch may have started it early: q, the list and the cells are the
-        # kernels' before it (gpu/dependent_launch.py). It lets the next kernel start only
+        # kernels' before it (fast/dependent_launch.py). It lets the next kernel start only
         # once its split's record is written (at the tickets, below), not here.
         wait_for_inputs()
         i, kv_h, split = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
@@ -481,7 +481,7 @@ def make_attention_step_kernel(read_k, read_v, G, D, per_split, per_sm=3):
         # --8<-- [start:step_tickets]
         # The next kernel (the o matvec) may launch once every thread block is here or has
         # ended (a lone split ends first). Not earlier: its blocks would be placed on the SMs
-        # while the splits still run, and wait there (docs: "How it got fast").
+        # while the splits still run, and wait there (docs: "From plain to fast").
         let_next_start()
         # The ticket: the block that draws the last of the (query, KV head)'s merges every record.
         split_w = k_tile  # the tiles are done with: record s's weight for head g at [g * count + s]

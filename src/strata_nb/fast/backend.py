@@ -25,7 +25,7 @@ from .expert_gate_up import expert_gate_up
 from .fetch_misses import fetch_misses
 from .matvec_fused import matvec, matvec_fused
 from .route import route
-from ..gpu import dependent_launch, fast_launch, tensor_core
+from ..fast import dependent_launch, fast_launch, tensor_core
 from ..gpu.geometry import SIMULATED
 from ..gpu.launch import device_empty
 from .twins import fast_or_plain, load_twins
@@ -42,6 +42,7 @@ class FastCudaBackend(CudaBackend):
     def __init__(self):
         super().__init__()
         load_twins()  # every fast module imported: each registers its twins as it loads
+        fast_launch.install()  # kernel[...] packs its arguments itself after its first launch (fast_launch.py)
 
     _tiled_from = MAX_ROWS + 1  # rows from which a product takes the tiled matmul
 
@@ -81,7 +82,7 @@ class FastCudaBackend(CudaBackend):
                               f"(lower it, or use --device cpu)")
 
     def dependent_launches(self) -> str:
-        """'on' when marked kernels launch as dependent (gpu/dependent_launch.py), 'off' when
+        """'on' when marked kernels launch as dependent (fast/dependent_launch.py), 'off' when
         dependent_launch.dependent_launches(False) turned them off, else 'unavailable: ' and why."""
         if not dependent_launch.enabled():
             return "off"
@@ -186,7 +187,7 @@ class FastCudaBackend(CudaBackend):
         return y
 
     def _tensor_cores(self) -> bool:
-        """Whether prompt chunks' matmuls run on tensor cores (gpu/tensor_core.py), asked once."""
+        """Whether prompt chunks' matmuls run on tensor cores (fast/tensor_core.py), asked once."""
         if self._mma is None:
             self._mma = tensor_core.enabled() and not tensor_core.available()
         return self._mma

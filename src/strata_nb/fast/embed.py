@@ -1,5 +1,5 @@
 """Plain twins: kernels/dense/embed.py embed_rows_kernel and embed_kernel, launched as
-dependent (gpu/dependent_launch.py): the plain code after the wait for the kernel before
+dependent (fast/dependent_launch.py): the plain code after the wait for the kernel before
 it, so a decode step's first launch overlaps the end of the step before. `embed` is the
 plain launcher launching them (twins.py: relaunch); the bits are the plain kernels'.
 """
@@ -9,7 +9,7 @@ from numba import cuda
 
 from strata_nb.fast.gguf_fetch import QTYPES
 from strata_nb.fast.twins import inline_body, relaunch, twin_of
-from strata_nb.gpu.dependent_launch import let_next_start, wait_for_inputs, waits_for_inputs
+from strata_nb.fast.dependent_launch import let_next_start, wait_for_inputs, waits_for_inputs
 from strata_nb.kernels.dense import embed as plain
 
 _rows_body = inline_body(plain.embed_rows_kernel)

@@ -14,7 +14,7 @@ were read from. When the cache can miss, a block whose token chose a missed expe
 its rows of every chosen expert through shared memory first, and reads them all there
 (fast/expert_rows.py: stage_rows). It reads the next layer's q|k|v weights into L2 as
 matvec's kernels do, and is launched as dependent, reading before it waits
-(gpu/dependent_launch.py).
+(fast/dependent_launch.py).
 
 Each x[t, d] has one writer, so there are no atomics. It equals the plain kernel within
 `down_tolerance` (kernels/experts/expert_down.py): the same K F terms, summed in another
@@ -28,7 +28,7 @@ from numba import cuda, float32, int32, uint32
 
 from strata_nb.fast.expert_rows import make_expert_fetch, make_rows_dot, stage_rows, stage_words
 from strata_nb.fast.twins import twin_of
-from strata_nb.gpu.dependent_launch import let_next_start, wait_for_inputs, waits_for_inputs
+from strata_nb.fast.dependent_launch import let_next_start, wait_for_inputs, waits_for_inputs
 from strata_nb.gpu.geometry import EXPERT_DOWN_WARPS
 from strata_nb.gpu.launch import DeviceArgs, expect, inline_device, stream
 from strata_nb.gpu.reduce import WARP, warp_sum
@@ -101,7 +101,7 @@ def make_expert_down_kernel(fetch, decode, nibbles, view_a, view_b, rows, stages
                            ahead_out,   # (threads of the grid,) uint32: what each thread read ahead, or (0,)
                            slot_words, host_words,  # (N | L * E, D * row_words) uint32: the slot pool, the host copy
                            row_words):  # int32: words a row; 0 = a miss is read in place
-        # A dependent launch that reads before it waits (gpu/dependent_launch.py, "Reading
+        # A dependent launch that reads before it waits (fast/dependent_launch.py, "Reading
         # before the wait"): the router, which wrote the choice, finished before
         # expert_gate_up let this kernel start, and no kernel of a step writes weights. So the
         # read ahead, the choice, the staging of a miss and the first term's weight rows go
@@ -153,7 +153,7 @@ def make_expert_down_kernel(fetch, decode, nibbles, view_a, view_b, rows, stages
             sa, sb = stage.view(view_a), stage.view(view_b)
             fetch_term(sa, sb, sa, sb, True, slot, index, r0, q0, o0, d, f_raw, c_raw)
             wait_for_inputs()  # for h
-            let_next_start()  # a dependent launch: gpu/dependent_launch.py
+            let_next_start()  # a dependent launch: fast/dependent_launch.py
             down_sums(sa, sb, sa, sb, True, slot, index, scale, h, t, o0, d, k, f, acc, f_raw, c_raw)
         else:
             # --8<-- [start:down_reads_early]

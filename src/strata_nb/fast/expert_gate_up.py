@@ -16,7 +16,7 @@ L2 for expert_down, as matvec reads the next product's weights ahead, when the e
 in a slot: a miss's down matrix is in host memory, where reading it ahead costs bus time
 that expert_down does not win back (it reads those bytes over the bus again:
 tools/expert_miss.py, "down read ahead"). It is launched as dependent
-(gpu/dependent_launch.py).
+(fast/dependent_launch.py).
 
 It equals the plain kernel within `gate_up_tolerance` (kernels/experts/expert_gate_up.py):
 the same dots, summed in another order (each thread's parts, then the warps'), so the
@@ -31,7 +31,7 @@ from numba import cuda, float32, uint32
 
 from strata_nb.fast.expert_rows import make_rows_dot, stage_rows, stage_words
 from strata_nb.fast.twins import twin_of
-from strata_nb.gpu.dependent_launch import let_next_start, wait_for_inputs, waits_for_inputs
+from strata_nb.fast.dependent_launch import let_next_start, wait_for_inputs, waits_for_inputs
 from strata_nb.gpu.geometry import EXPERT_GATE_UP_WARPS
 from strata_nb.gpu.launch import DeviceArgs, absent, expect, inline_device, stream, view_bytes
 from strata_nb.gpu.reduce import WARP, warp_sum
@@ -93,7 +93,7 @@ def make_expert_gate_up_kernel(fetch, decode, nibbles, view_a, view_b, pairs, st
                               host_words,       # (L * E, 2F * row_words) uint32: the host copy as words
                               row_words):       # int32: words a row; 0 = a miss is read in place
         wait_for_inputs()
-        let_next_start()  # a dependent launch: gpu/dependent_launch.py
+        let_next_start()  # a dependent launch: fast/dependent_launch.py
         i, n_threads = cuda.threadIdx.x, cuda.blockDim.x
         lane, warp = i % WARP, i // WARP
         j0 = cuda.blockIdx.x * pairs  # gate rows j0 .., up rows F + j0 ..

@@ -4,7 +4,7 @@ Plain twins: kernels/kv/kv_append_k8v4.py kv_append_k8v4_kernel and kernels/kv/k
 key_sketch_kernel. Each twin is its plain kernel's code (`inline_body`: the same device
 code, so the one writer stays one: the host copy always, the VRAM slot when resident),
 with the wait for the kernel before it at its first instruction and the next kernel let
-start at once (gpu/dependent_launch.py). What it buys: in a decode step the append's
+start at once (fast/dependent_launch.py). What it buys: in a decode step the append's
 launch overlaps the end of the q|k|v matvec before it, and the next kernel's launch its own.
 Their launchers are the plain launchers' code (`relaunch`), so the checks, grids and
 arguments are written once.
@@ -14,7 +14,7 @@ from __future__ import annotations
 from numba import cuda
 
 from strata_nb.fast.twins import inline_body, relaunch, twin_of
-from strata_nb.gpu.dependent_launch import let_next_start, wait_for_inputs, waits_for_inputs
+from strata_nb.fast.dependent_launch import let_next_start, wait_for_inputs, waits_for_inputs
 from strata_nb.kernels.kv import key_sketch as plain_sketch
 from strata_nb.kernels.kv import kv_append_k8v4 as plain_k8v4
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
-from strata_nb.gpu.dependent_launch import let_next_start, wait_for_inputs, waits_for_inputs
+from strata_nb.fast.dependent_launch import let_next_start, wait_for_inputs, waits_for_inputs
 from strata_nb.gpu.launch import DeviceArgs, expect, grid_for
 from strata_nb.kv_layout import BLOCK, point
 
@@ -45,7 +45,7 @@ point_on_device = cuda.jit(device=True)(point)  # the host's own re-pointing, co
 @cuda.jit(cache=True)
 def map_ring_kernel(q_pos, page_tables, slot_blocks, n_ring):  # as map_ring_ref, a thread per layer
     wait_for_inputs()
-    let_next_start()  # a dependent launch: gpu/dependent_launch.py
+    let_next_start()  # a dependent launch: fast/dependent_launch.py
     layer = cuda.grid(1)
     if layer < page_tables.shape[0]:
         block = q_pos[0] // BLOCK

@@ -1,6 +1,6 @@
 """Plain twin: kernels/dense/matmul.py matmul_kernel. The product on tensor cores: the
 tiled matmul (matmul_tiled.py, read it first) with its multiply-adds done as warp-wide
-matrix products (gpu/tensor_core.py), what a GPU with tensor cores runs for a prompt
+matrix products (fast/tensor_core.py), what a GPU with tensor cores runs for a prompt
 chunk. Within dot_tolerance of the plain kernel, not its bits.
 
 What stays: a thread block per tile of rows of W x rows of x, walking `in` one
@@ -51,7 +51,7 @@ from strata_nb.fast.matmul_tiled import W_REGS, X_REGS, loader_sizes, make_tile_
 from strata_nb.gpu.geometry import MATMUL_MMA_SPLIT_BELOW, MATMUL_MMA_W_THREADS, MATMUL_MMA_X_THREADS, SIMULATED
 from strata_nb.gpu.launch import DeviceArgs, device_empty, grid_for, stream
 from strata_nb.gpu.reduce import WARP
-from strata_nb.gpu.tensor_core import TILE_K, TILE_M, TILE_N, mma_f32
+from strata_nb.fast.tensor_core import TILE_K, TILE_M, TILE_N, mma_f32
 from strata_nb.kernels.dense.gguf_rows import QK, weight_views
 from strata_nb.kernels.dense.matmul import check
 

@@ -75,7 +75,7 @@ from numba import cuda, float32, int32, int64, uint32
 
 from strata_nb.fast.gguf_fetch import QTYPES
 from strata_nb.fast.twins import twin_of
-from strata_nb.gpu.dependent_launch import let_next_start, wait_for_inputs, waits_for_inputs
+from strata_nb.fast.dependent_launch import let_next_start, wait_for_inputs, waits_for_inputs
 from strata_nb.gpu.geometry import MATVEC_MAX_BLOCKS, MATVEC_MAX_WARPS
 from strata_nb.gpu.launch import DeviceArgs, absent, expect, stream
 from strata_nb.gpu.reduce import WARP, warp_sum
@@ -300,7 +300,7 @@ def make_matvec_kernel(part, nibbles, fetch_x, make_x, store_y, normed, x_rows, 
                       pool_k, pool_v,   # (n_slots, n_kv, 16, hd) float16/float32 with append
                       host_k, host_v):  # (n_blocks, n_kv, 16, hd) or size 0 (no host copy)
         # --8<-- [start:matvec_waits_first]
-        # A dependent launch (gpu/dependent_launch.py) may have started this kernel while the
+        # A dependent launch (fast/dependent_launch.py) may have started this kernel while the
         # one before it runs: wait for it before any other load or store, then let the next
         # kernel be launched while this one works.
         wait_for_inputs()
@@ -500,7 +500,7 @@ def matvec_kernels(rows: int, store=store_cell) -> dict:
             for epi, (store_y, rope, append) in EPILOGUES.items() for x_rows in (1, ROW_GROUP)}
 
 
-# Built beside the kernels' code, not in the launcher: gpu/sm90.py finds a recorded kernel
+# Built beside the kernels' code, not in the launcher: fast/sm90.py finds a recorded kernel
 # among the module-level dispatchers of the module that defines it.
 MATVEC_KERNELS = matvec_kernels(ROWS)
 # --8<-- [end:matvec_kernel]

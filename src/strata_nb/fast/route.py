@@ -12,7 +12,7 @@ block a layer, nothing beside it, and the whole step waits for it.
 - the residency lookups go out at the start, beside the loads, not after the choice;
 - the normed row for expert_gate_up is written at the end by the warps that write no
   choice, while warp 0's lanes of the chosen experts write the choice;
-- it is launched as dependent (gpu/dependent_launch.py): it waits for the o matvec at
+- it is launched as dependent (fast/dependent_launch.py): it waits for the o matvec at
   its first instruction, but lets expert_gate_up launch only when it ends.
 
 The ids equal the plain kernel's and the reference's; the weights are within
@@ -26,7 +26,7 @@ import math
 from numba import cuda, float32
 
 from strata_nb.fast.twins import relaunch, twin_of
-from strata_nb.gpu.dependent_launch import wait_for_inputs, waits_for_inputs
+from strata_nb.fast.dependent_launch import wait_for_inputs, waits_for_inputs
 from strata_nb.gpu.reduce import NEG_INF, WARP, warp_max, warp_sum
 from strata_nb.fast.gguf_fetch import QTYPES
 from strata_nb.kernels.dense.gguf_rows import PART, PARTS, QK, part_runs
@@ -79,7 +79,7 @@ def make_route_kernel(part, nibbles):
     @cuda.jit(cache=True)
     def route_kernel(x, norm, eps, ra, rb, x_norm, chosen, weights, slot_of, res, at, lookups, hits,
                      last):  # as the plain kernel's
-        wait_for_inputs()  # a dependent launch (gpu/dependent_launch.py), which lets the
+        wait_for_inputs()  # a dependent launch (fast/dependent_launch.py), which lets the
         # next kernel launch only when it ends: expert_gate_up's blocks, placed early, would
         # wait beside this one block for all of its chain (measured slower)
         t, tid = cuda.blockIdx.x, cuda.threadIdx.x

@@ -93,7 +93,7 @@ def outranks(other, c, mine, b):
 @cuda.jit(cache=True)
 def select_blocks_kernel(scores, q_pos, page_table, window_blocks, budget_cells, chosen, out, counts,  # as select_blocks_ref
                          arrivals):  # (1,) int32 ticket counter: 0 before the launch, 0 after it
-    # A plain launch, not a dependent one (gpu/dependent_launch.py: kernels that end in one
+    # A plain launch, not a dependent one (fast/dependent_launch.py: kernels that end in one
     # thread block): this kernel starts when block_scores has ended, and the step attention
     # after it when it has ended.
     t = cuda.threadIdx.x

@@ -3,8 +3,8 @@
 The engine names an op by its two functions, the reference and the plain launcher
 (`be.op(argmax_ref, argmax)`): the numpy backend runs the reference, the plain cuda
 backend the plain launcher, and the fast backend the fast twin registered here for that
-launcher, or the plain launcher where the fast tier has none. tests/test_twins.py runs
-every registered pair on the same inputs and holds them equal.
+launcher, or the plain launcher where the fast tier has none. tests/test_twins.py holds that
+every registered pair has a test that runs both on the same inputs and holds them equal.
 
 Many fast kernels are a plain kernel launched as dependent (dependent_launch.py): the
 same code with the wait for the kernel before it at its first instruction. Such a twin
@@ -15,6 +15,7 @@ grid and arguments, written once.
 """
 from __future__ import annotations
 
+import sys
 import types
 
 from strata_nb.gpu.launch import inline_device
@@ -63,6 +64,7 @@ def relaunch(launcher, **kernels):
     fast = types.FunctionType(launcher.__code__, names, launcher.__name__, launcher.__defaults__,
                               launcher.__closure__)
     fast.__kwdefaults__ = launcher.__kwdefaults__
+    fast.__module__ = sys._getframe(1).f_globals.get("__name__", launcher.__module__)  # the fast module that made it
     fast.__doc__ = f"{launcher.__module__}.{launcher.__name__}, launching {', '.join(kernels)} of the fast tier."
     return fast
 # --8<-- [end:twin_registry]

@@ -15,12 +15,11 @@ from contextlib import contextmanager
 import numpy as np
 from numba import config, cuda, int32
 
-from strata_nb.gpu import device_memory, fast_launch
+from strata_nb.gpu import device_memory
 from strata_nb.gpu.geometry import SIMULATED
 from strata_nb.kv_layout import BLOCK, PoolArray
 
 device_memory.install()  # launchers' outputs reuse freed device memory (gpu/device_memory.py)
-fast_launch.install()  # kernel[...] packs its arguments itself after its first launch (gpu/fast_launch.py)
 
 THREADS = 128  # threads per block for the lane-per-thread kernels: a multiple of the warp
 # A decode step's kernels are small by nature (one token, 3 KV heads): Numba's warning

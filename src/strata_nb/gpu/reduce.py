@@ -18,7 +18,7 @@ result it gives on the GPU. The fallback's barrier is block-wide, which is why t
 contract asks every warp of the block, not just every lane of one warp, to call it.
 
 The same two reductions over a group of 4 lanes (lane // 4), `quad_sum` and `quad_max`,
-finish a row of a tensor-core product, which lies in one group (gpu/tensor_core.py).
+finish a row of a tensor-core product, which lies in one group (fast/tensor_core.py).
 
 On the GPU there are single shuffles too: `warp_xor` (the value of the lane whose index
 differs in the given bits) and `warp_take` (the value of a given lane), for code that
@@ -96,7 +96,7 @@ else:
     # The simulator's shared.array looks its array up in a dict and adds it when missing: two
     # threads released by one barrier can both miss and each make an array of its own, and
     # then they trade values with no one. One lock around the first ask makes the first
-    # array every thread's (gpu/tensor_core.py's emulation asks under it too).
+    # array every thread's (fast/tensor_core.py's emulation asks under it too).
     first_ask = threading.Lock()
 
     @cuda.jit(device=True)

@@ -26,7 +26,7 @@ import os
 
 import numpy as np
 
-from strata_nb.gpu.dependent_launch import is_dependent
+from strata_nb.fast.dependent_launch import is_dependent
 from strata_nb.gpu.geometry import SIMULATED
 
 MODE = os.environ.get("STRATA_NB_FAST_LAUNCH", "1")
@@ -92,7 +92,7 @@ def _as_comparable(values):
 
 
 COUNTS = {"fast": 0, "numba": 0, "dependent": 0}  # launches each way since the process started (fast ones
-# launched as dependent: gpu/dependent_launch.py)
+# launched as dependent: fast/dependent_launch.py)
 
 
 class _Plan:
@@ -200,7 +200,7 @@ def _dependent_here() -> bool:
 
 
 def dependent_launch_support(device=None) -> str:
-    """'' when marked kernels can launch as dependent here (gpu/dependent_launch.py), else
+    """'' when marked kernels can launch as dependent here (fast/dependent_launch.py), else
     why not: the GPU's compute capability, this cuda.core's LaunchConfig, or the fast path."""
     if not _INSTALLED:
         return "the fast launch path is off (STRATA_NB_FAST_LAUNCH=0, or no GPU)"

@@ -1,9 +1,10 @@
 """Tensor cores from Numba: one warp-wide matrix product, D = A B + C on a 16 x 8 tile, in
-float32.
+float32. No plain twin: the plain kernels multiply with one FMA a product
+(kernels/dense/matmul.py); the fast kernels built on this one are held to them.
 
 A tensor core multiplies small matrices held in the registers of a whole warp. Numba has
 no function for it, so this module emits the PTX instruction itself (as
-gpu/dependent_launch.py does for its two), `mma.sync.aligned.m16n8k8` on TF32 values:
+fast/dependent_launch.py does for its two), `mma.sync.aligned.m16n8k8` on TF32 values:
 
     D (16 x 8) = A (16 x 8) @ B (8 x 8) + C (16 x 8), every value float32
 

@@ -43,12 +43,12 @@ the kernel just before it need the wait. expert_down (kernels/experts/expert_dow
 the one kernel marked so (`waits_for_inputs(kernel, reads_early=True)`): it loads the
 router's choice (the experts, their slots and weights) and the first of its down-matrix
 rows while expert_gate_up still runs, and waits only before it reads expert_gate_up's
-h. It stores nothing before the wait, as the PTX check (gpu/sm90.py: dependent_order)
+h. It stores nothing before the wait, as the PTX check (fast/sm90.py: dependent_order)
 holds it to.
 
 Which launches are dependent: a kernel marked with `waits_for_inputs(kernel)` (its
 factory marks it; its code keeps the rule), launched through the fast path
-(gpu/fast_launch.py) while `enabled()`, on a device of compute capability 9.0 or more. A
+(fast/fast_launch.py) while `enabled()`, on a device of compute capability 9.0 or more. A
 graph captured from such launches keeps them as programmatic edges, so a replayed step
 overlaps its launches too. Every other launch stays plain, and a plain launch after a
 dependent one waits for it whole. On an older GPU the instructions compile to nothing

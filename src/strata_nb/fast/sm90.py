@@ -13,7 +13,7 @@ refuses nor say what the kernel costs the SM. Three numbers from ptxas do:
                    the L1) and loaded back: a kernel that spills is a performance bug.
 
 A fourth check needs no ptxas: a kernel marked for dependent launches
-(gpu/dependent_launch.py) must wait before it touches memory another kernel writes, and
+(fast/dependent_launch.py) must wait before it touches memory another kernel writes, and
 its PTX says whether it does (`dependent_order`).
 
 The launches are recorded under the simulator (`record_launches`: kernel and argument
@@ -205,7 +205,7 @@ _OWN_SPACES = {"param", "shared", "local", "const"}  # the kernel's own: no othe
 
 def dependent_order(ptx: str, reads_early: bool = False) -> str:
     """'' when a dependent kernel's PTX waits before it touches memory another kernel may
-    write (gpu/dependent_launch.py): griddepcontrol.wait before the first load, store or
+    write (fast/dependent_launch.py): griddepcontrol.wait before the first load, store or
     atomic of global or generic memory, and launch_dependents, if any, after the wait.
     reads_early: loads may come first ("Reading before the wait"), stores and atomics not.
     Else what is wrong. The check reads the PTX in order up to the first wait; it holds for
@@ -229,7 +229,7 @@ def dependent_order(ptx: str, reads_early: bool = False) -> str:
 def lets_next_start_late(ptx: str) -> bool:
     """Whether a kernel's PTX lets the next kernel launch (launch_dependents) only after its
     first store to global memory: the step attention's rule, which lets it launch once a
-    split's record is written (gpu/dependent_launch.py), not at its start."""
+    split's record is written (fast/dependent_launch.py), not at its start."""
     start = ptx.find("griddepcontrol.launch_dependents")
     store = re.search(r"\bst\.global", ptx)
     return start >= 0 and store is not None and store.start() < start
@@ -262,7 +262,7 @@ _CHILD = textwrap.dedent('''
     from numba import cuda
     import numba.cuda.dispatcher
     from numba.cuda.dispatcher import CUDADispatcher
-    from strata_nb.gpu.sm90 import dependent_order, lets_next_start_late, ptx_usage, variant
+    from strata_nb.fast.sm90 import dependent_order, lets_next_start_late, ptx_usage, variant
     # compiling a kernel that calls device functions asks for the current device; there is
     # none here, so answer for the target we compile for
     numba.cuda.dispatcher.get_current_device = lambda: types.SimpleNamespace(compute_capability=(9, 0))
@@ -292,7 +292,7 @@ _CHILD = textwrap.dedent('''
                 failures.append(f"{module}.{qualname}{sig}: {type(err).__name__}: {str(err)[:300]}")
                 continue
             wrong = dependent_order(ptx, getattr(kernel, "_strata_reads_early", False))
-            if getattr(kernel, "_strata_waits", False) and wrong:  # gpu/dependent_launch.py
+            if getattr(kernel, "_strata_waits", False) and wrong:  # fast/dependent_launch.py
                 failures.append(f"{module}.{qualname}{sig}: marked waits_for_inputs, but {wrong}")
             if binary:
                 rows.append(dict(kernel=qualname.split(".")[-1], module=module, made_from=made_from, sig=sig,
