@@ -30,7 +30,7 @@ from strata_nb.fast.expert_rows import make_expert_fetch, make_rows_dot, stage_r
 from strata_nb.fast.twins import twin_of
 from strata_nb.fast.dependent_launch import let_next_start, wait_for_inputs, waits_for_inputs
 from strata_nb.gpu.geometry import EXPERT_DOWN_WARPS
-from strata_nb.gpu.launch import DeviceArgs, expect, inline_device, stream
+from strata_nb.gpu.launch import DeviceArgs, inline_device, stream
 from strata_nb.gpu.reduce import WARP, warp_sum
 from strata_nb.fast.gguf_fetch import CODES, QTYPES, STEPS
 from strata_nb.fast.matvec_fused import AHEAD, ROWS, SECTOR, SUM_WARPS, ahead_arrays
@@ -196,15 +196,7 @@ def expert_down(h, chosen, weights, slot_of, at, slots, host, qtype, x, warps: i
     reads ahead as matvec does (its docstring). stage: a miss's rows are staged through
     shared memory (False: read in place; the engine's choice when every expert is
     resident, so its kernel has no staging code)."""
-    expect("x", x, np.float32, (None, None))
-    n, d = x.shape
-    expect("h", h, np.float32, (n, None, None))
-    k, f = h.shape[1:]
-    expect("chosen", chosen, np.int32, (n, k))
-    assert k <= MAX_USED, f"K = {k} experts a token; the kernel holds at most {MAX_USED}"
-    expect("weights", weights, np.float32, (n, k))
-    expect("slot_of", slot_of, np.int32, (n, k))
-    assert at >= 0, f"layer's first entry {at} < 0"
+    n, d, k, f = plain.check_down(h, chosen, weights, slot_of, at, x)
     if n == 0 or d == 0:
         return
     warps = min(EXPERT_DOWN_WARPS, -(-k * (f // PART) // WARP)) if warps is None else warps

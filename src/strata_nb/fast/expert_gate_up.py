@@ -172,13 +172,7 @@ def expert_gate_up(x_norm, chosen, slot_of, at, slots, host, qtype, h, ahead=Non
     grid, given the XOR of the bytes each read. stage: a miss's rows are staged through
     shared memory (False: read in place; the engine's choice when every expert is
     resident, so its kernel has no staging code)."""
-    expect("x_norm", x_norm, np.float32, (None, None))
-    n, d = x_norm.shape
-    expect("h", h, np.float32, (n, None, None))
-    k, f = h.shape[1:]
-    expect("chosen", chosen, np.int32, (n, k))
-    expect("slot_of", slot_of, np.int32, (n, k))
-    assert at >= 0, f"layer's first entry {at} < 0"
+    n, d, k, f = plain.check_gate_up(x_norm, chosen, slot_of, at, h)
     if n == 0 or f == 0:
         return
     warps = gate_up_warps(d) if warps is None else warps

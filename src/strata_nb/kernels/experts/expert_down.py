@@ -133,10 +133,8 @@ EXPERT_DOWN_KERNELS = {qtype: make_expert_down_kernel(part, nibbles)
 # --8<-- [end:expert_down_kernel]
 
 
-def expert_down(h, chosen, weights, slot_of, at, slots, host, qtype, x):
-    """Like expert_down_ref, on the device, with the experts as their GGUF rows: slots
-    (N, D, bytes) and host (L * E, D, bytes) uint8 of type qtype, slot_of (T, K) int32
-    route's lookups. NumPy arguments are moved (x is written back)."""
+def check_down(h, chosen, weights, slot_of, at, x) -> tuple[int, int, int, int]:
+    """The launcher's checks of its arguments' shapes and dtypes -> (T, D, K, F)."""
     expect("x", x, np.float32, (None, None))
     n, d = x.shape
     expect("h", h, np.float32, (n, None, None))
@@ -146,6 +144,14 @@ def expert_down(h, chosen, weights, slot_of, at, slots, host, qtype, x):
     expect("weights", weights, np.float32, (n, k))
     expect("slot_of", slot_of, np.int32, (n, k))
     assert at >= 0, f"layer's first entry {at} < 0"
+    return n, d, k, f
+
+
+def expert_down(h, chosen, weights, slot_of, at, slots, host, qtype, x):
+    """Like expert_down_ref, on the device, with the experts as their GGUF rows: slots
+    (N, D, bytes) and host (L * E, D, bytes) uint8 of type qtype, slot_of (T, K) int32
+    route's lookups. NumPy arguments are moved (x is written back)."""
+    n, d, k, f = check_down(h, chosen, weights, slot_of, at, x)
     if n == 0 or d == 0:
         return
     with DeviceArgs() as dev:

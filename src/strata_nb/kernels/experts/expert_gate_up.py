@@ -116,11 +116,8 @@ EXPERT_GATE_UP_KERNELS = {qtype: make_expert_gate_up_kernel(part, nibbles)
 # --8<-- [end:expert_gate_up_kernel]
 
 
-def expert_gate_up(x_norm, chosen, slot_of, at, slots, host, qtype, h):
-    """Like expert_gate_up_ref, on the device, with the experts as their GGUF rows: slots
-    (N, 2F, bytes) and host (L * E, 2F, bytes) uint8 of type qtype (host: mapped memory
-    or a device array), slot_of (T, K) int32 route's lookups. NumPy arguments are moved
-    (h is written back)."""
+def check_gate_up(x_norm, chosen, slot_of, at, h) -> tuple[int, int, int, int]:
+    """The launcher's checks of its arguments' shapes and dtypes -> (T, D, K, F)."""
     expect("x_norm", x_norm, np.float32, (None, None))
     n, d = x_norm.shape
     expect("h", h, np.float32, (n, None, None))
@@ -128,6 +125,15 @@ def expert_gate_up(x_norm, chosen, slot_of, at, slots, host, qtype, h):
     expect("chosen", chosen, np.int32, (n, k))
     expect("slot_of", slot_of, np.int32, (n, k))
     assert at >= 0, f"layer's first entry {at} < 0"
+    return n, d, k, f
+
+
+def expert_gate_up(x_norm, chosen, slot_of, at, slots, host, qtype, h):
+    """Like expert_gate_up_ref, on the device, with the experts as their GGUF rows: slots
+    (N, 2F, bytes) and host (L * E, 2F, bytes) uint8 of type qtype (host: mapped memory
+    or a device array), slot_of (T, K) int32 route's lookups. NumPy arguments are moved
+    (h is written back)."""
+    n, d, k, f = check_gate_up(x_norm, chosen, slot_of, at, h)
     if n == 0 or f == 0:
         return
     with DeviceArgs() as dev:
