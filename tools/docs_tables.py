@@ -20,6 +20,9 @@ figure is typed by hand (tests/test_docs.py checks both are up to date):
   needle/speed_h100.md, the code before the sketch against a later engine's, from
   bench_*_h100.json.
 
+- docs/reading-the-code.md, its reading order of the plain tier: each file's line count
+  and the total, from src/strata_nb/kernels/.
+
     python tools/docs_tables.py           # rewrite them
     python tools/docs_tables.py --check   # exit 1 if any table is out of date (the plot is not checked)
 """
@@ -40,6 +43,8 @@ NEEDLE_RUNS = {"needle": "the key sketch", "needle_quest_bound": "Quest's bound 
 EXPERTS_DIR = ROOT / "docs" / "measured" / "experts"  # dense.json, split.json, copies.json: one bench run each
 EXPERTS_MD = EXPERTS_DIR / "experts.md"
 EXPERTS_PNG = ROOT / "docs" / "assets" / "expert_hit_rate.png"
+READING = ROOT / "docs" / "reading-the-code.md"
+PLAIN_TIER = ROOT / "src" / "strata_nb" / "kernels"
 START = "<!-- bench-table: written by python tools/docs_tables.py from docs/measured/bench/bench.json -->"
 END = "<!-- /bench-table -->"
 
@@ -277,6 +282,16 @@ def needle_speed(before: dict, after: dict, code: str = "with it", sketch: str =
     return "\n".join(lines) + "\n"
 
 
+def plain_tier_counts(page: str) -> str:
+    """The reading-order table's line column and its total, as the plain tier is today."""
+    files = [f for f in PLAIN_TIER.rglob("*.py") if f.name != "__init__.py"]
+    lines = {f.relative_to(PLAIN_TIER).as_posix(): len(f.read_text().splitlines()) for f in files}
+    page = re.sub(r"(the plain tier in reading order: \*\*)\d+ files, [\d,]+ lines(\*\*)",
+                  lambda m: f"{m[1]}{len(files)} files, {sum(lines.values()):,} lines{m[2]}", page)
+    return re.sub(r"^(\| \d+ \| `src/strata_nb/kernels/([\w/]+\.py)` \| )\d+( \|)",
+                  lambda m: f"{m[1]}{lines[m[2]]}{m[3]}", page, flags=re.MULTILINE)
+
+
 def outputs() -> dict[Path, str]:
     """Every generated file's path and the text it must hold."""
     lessons = json.loads(LESSONS_JSON.read_text())["lessons"]
@@ -288,6 +303,7 @@ def outputs() -> dict[Path, str]:
     assert pattern.search(readme), f"README.md has no {START} ... {END} block"
     out[README] = pattern.sub(lambda _: table, readme)
     out[EXPERTS_MD] = experts_table(expert_benches())
+    out[READING] = plain_tier_counts(READING.read_text())
     out[NEEDLE_DIR / "speed.md"] = needle_speed(*(json.loads((NEEDLE_DIR / f"bench_{n}.json").read_text())
                                                   for n in ("quest_bound", "key_sketch")))
     out[NEEDLE_DIR / "speed_h100.md"] = needle_speed(

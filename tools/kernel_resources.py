@@ -2,7 +2,7 @@
 GPU: registers per thread, static shared memory per thread block, spilled bytes, how
 many warps the register file lets an SM keep (of 64), and the longest run of loads in
 its SASS (with nvdisasm: loads with no use of a loaded value between them,
-sm90.load_runs). gpu/sm90.py explains the
+sm90.load_runs). fast/sm90.py explains the
 numbers; this runs a tiny random-weight model under the simulator to record the
 launches (prefill and a decode step, resident and streamed with QSA, the resident step
 also past its narrow list, so both builds of the step attention run; a prefill with the
@@ -22,13 +22,13 @@ import tempfile
 os.environ["NUMBA_ENABLE_CUDASIM"] = "1"  # before numba is imported: record the launches
 sys.setswitchinterval(1e-4)
 
-from strata_nb.gpu.sm90 import compile_recorded, nvdisasm, ptxas, record_launches, warps_by_registers  # noqa: E402
+from strata_nb.fast.sm90 import compile_recorded, nvdisasm, ptxas, record_launches, warps_by_registers  # noqa: E402
 
 
 def main(formats: list[str]) -> int:
     from strata_nb.fast.backend import FastCudaBackend
     from strata_nb.engine.engine import Engine
-    from strata_nb.gpu import tensor_core
+    from strata_nb.fast import tensor_core
     from strata_nb.model.gguf_file import GGUFModel
     from strata_nb.model.synthetic import write_synthetic_gguf
     from strata_nb.kv_layout import BLOCK

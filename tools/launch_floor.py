@@ -12,7 +12,7 @@ thread of the next thread block wrote in the phase before, adds 1 and writes it,
 phase may start before the one before it has ended everywhere. The variants:
 
 - plain       one kernel a phase, captured into a CUDA graph and replayed;
-- dependent   the same kernels launched as dependent (gpu/dependent_launch.py: each
+- dependent   the same kernels launched as dependent (fast/dependent_launch.py: each
               waits for the one before at its first instruction), captured and replayed;
 - grid sync   one cooperative kernel, its phases separated by `cuda.cg.this_grid().sync()`
               (the grid may hold only as many blocks as the GPU runs at once);
@@ -34,7 +34,7 @@ os.environ.setdefault("STRATA_NB_GPU", "1")
 from numba import cuda, int32  # noqa: E402
 
 from strata_nb.fast.cuda_graph import StepGraph  # noqa: E402
-from strata_nb.gpu.dependent_launch import let_next_start, wait_for_inputs, waits_for_inputs  # noqa: E402
+from strata_nb.fast.dependent_launch import let_next_start, wait_for_inputs, waits_for_inputs  # noqa: E402
 from strata_nb.gpu.launch import stream  # noqa: E402  (importing it installs the fast launch path)
 
 sys.path.insert(0, os.path.dirname(__file__))
