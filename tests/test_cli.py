@@ -69,6 +69,10 @@ def test_stats_say_which_kernels_were_compiled_and_which_loaded(made, says, tiny
     (["run", "--max-tokens", "x", "hi"], "'x' is not a valid integer"),
     (["run", "--seed", "-5", "hi"], "--seed must be >= 0"),
     (["run", "--expert-cache", "3", "hi"], "--expert-cache 3 caches an MoE model's experts; this model is dense"),
+    (["run", "--kernels", "fastest", "hi"], "'fastest' is not one of 'plain', 'fast'"),
+    (["bench", "--device", "cpu", "--kernels", "plain,fast", "--depths", "4"],
+     "--kernels picks the cuda backend's tiers; the numpy backend (--device cpu) runs the references"),
+    (["bench", "--kernels", "plain,faster", "--depths", "4"], "--kernels takes tiers from plain, fast, got 'plain,faster'"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, message, tiny_model, capsys):
     code, out, err = run_cli(argv[:1] + ["--model", tiny_model] + argv[1:], capsys)

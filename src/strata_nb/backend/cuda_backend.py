@@ -161,7 +161,7 @@ class CudaBackend(ComposedOps):
 
     def queue_mark(self):
         """An event after everything queued so far: its synchronize() returns once it has run."""
-        mark = cuda.event(timing=False)
+        mark = cuda.event()
         mark.record()
         return mark
 
