@@ -5,7 +5,7 @@ finds the compiled kernel for those types, then turns each argument into the val
 kernel takes (an array is 5 + 2 * ndim of them: meminfo, parent, size, itemsize, data
 pointer, shape, strides) through a chain of wrappers. That is tens of microseconds a
 launch in Python, and a prompt chunk is about 400 launches: the host, not the GPU, set
-the pace of a prefill (CHANGELOG, 2026-12-03).
+the pace of a prefill.
 
 `install()` replaces the dispatcher's `kernel[...]` with `FastLaunch`. Its first launch
 for a tuple of argument *kinds* (an array's dtype, ndim and layout; a scalar's type)

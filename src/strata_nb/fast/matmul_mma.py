@@ -18,8 +18,7 @@ makes 8 products, three TF32 ones each (`mma_f32`): 24 tensor instructions where
 tiled kernel's warp makes 8 x 32 fused multiply-adds a lane. The tiles' rows are padded by
 4 values, as the tiled kernel's: a fragment's 32 loads hit 32 banks (bank 4t + g). The
 tile is smaller than the tiled kernel's so that a thread's registers let an SM keep 3
-blocks without spilling (launch bounds hold ptxas to that; CHANGELOG.md has the sizes
-that were compiled).
+blocks without spilling (launch bounds hold ptxas to that).
 
 Precision: each output is a float32 sum over k, in blocks of 8 products summed by the
 tensor core, within the same bound as the tiled kernel's (matvec.dot_tolerance); the

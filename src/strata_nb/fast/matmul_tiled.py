@@ -3,7 +3,7 @@ its outputs are the plain kernel's, bit for bit), the data brought to them faste
 ahead, a 4 x 8 register tile read 16 bytes at a time, a 128 x 64 tile; the matmul the
 fast engine runs on a GPU without tensor cores (matmul_mma.py builds on its loads).
 
-What each change buys (the figures are in CHANGELOG.md, 2026-12-02, prefill):
+What each change buys:
 - **Loads ahead (software pipelining).** The plain kernel's threads load a value of x,
   wait for it, store it, load the next: every step waits on global memory a few times
   over, and the multiply-adds wait with it. Here `fetch` reads the *next* step's weights

@@ -61,7 +61,7 @@ FETCH_THREADS = on_gpu(256, simulator=32)
 # ---- kv: kernels/kv/ -------------------------------------------------------------------
 # threads quantizing one 32-value group of the key sketch: a warp, a value a lane; one
 # thread walking the group alone under the simulator, where each of a warp's trades is a
-# block-wide barrier of Python threads (CHANGELOG.md has what it cost)
+# block-wide barrier of Python threads
 SKETCH_LANES = on_gpu(32, simulator=1)
 
 # ---- attention: fast/attention_*.py (the plain kernel has a thread per head dim) ------
