@@ -19,7 +19,7 @@ What this changes. The launching thread sleeps until every thread has returned o
 has raised. The last thread to arrive at a barrier, or the last to return while the rest
 wait, opens it: the waiting threads are woken one at a time, each by the one before, so
 few want the GIL at once. A barrier of 32 threads takes about 0.5 ms instead of 2-3.5,
-one of 256 about 8 ms instead of 15-23 (CHANGELOG, 2026-12-03 evening). The rest is the
+one of 256 about 8 ms instead of 15-23. The rest is the
 simulator's own code: threads made and started the same way, the same reductions, the
 failing thread's exception ("tid=[..] ctaid=[..]: ...") raised by the launch.
 

@@ -265,3 +265,16 @@ def test_moe_rows_at_each_cache_share_report_the_expert_hit_rate(tiny_model, tmp
     assert rows[1]["tokens"] == rows[0]["tokens"] == rows[2]["tokens"]
     assert all(not r["check"]["broken"] for r in rows)
     assert "experts 1.000" in (tmp_path / "out" / "bench.md").read_text()
+
+
+def test_the_recorded_command_is_written_as_a_reader_pastes_it():
+    """bench.md and the README name the model by its file and drop the machine's paths."""
+    from strata_nb.bench.report import model_file, pastable
+
+    ran = ("strata-nb bench --model /tmp/home/SmolLM2-135M-Instruct.Q4_1.gguf --depths 1,8192 --out /root/out/b "
+           "--llama-bench /tmp/ll/llama.cpp/build/bin/llama-bench")
+    assert pastable(ran) == "strata-nb bench --depths 1,8192 --llama-bench llama.cpp/build/bin/llama-bench"
+    assert model_file(ran) == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    other = "strata-nb bench --model=/tmp/m/shapes.gguf --out=/x; then: strata-nb bench --model /tmp/m/shapes.gguf --append"
+    assert pastable(other) == "strata-nb bench --model shapes.gguf; then: strata-nb bench --model shapes.gguf --append"
+    assert model_file(other) == "shapes.gguf"

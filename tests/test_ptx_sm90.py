@@ -135,7 +135,7 @@ def test_every_simulated_kernel_compiles_for_sm90_without_spills(compiled):
            if r["kernel"] in ("attention_step_kernel", "matvec_kernel") and r["divides"]]
     assert not hot, "\n".join(hot)
     # A decode step's matvec (one row of x) has no row groups: its r0 is the constant 0,
-    # not blockIdx.y * 1, so its indexing folds (CHANGELOG.md, 2026-12-03: what a runtime r0 cost).
+    # not blockIdx.y * 1, so its indexing folds.
     grouped = [f"matvec_kernel({r['made_from']})" for r in rows
                if r["kernel"] == "matvec_kernel" and ",x_rows=1," in r["made_from"] and r["grid_y"]]
     assert not grouped, "a 1-row matvec reads blockIdx.y:\n" + "\n".join(grouped)
@@ -144,7 +144,7 @@ def test_every_simulated_kernel_compiles_for_sm90_without_spills(compiled):
 
 # The kernels a decode step waits on most, and the fewest loads their longest run must
 # hold (gpu/sm90.load_runs): a trip's or a round's loads go out together, with no branch or
-# arithmetic between them. Before they did (CHANGELOG.md, 2026-12-05 night), the same
+# arithmetic between them. Before they did, the same
 # kernels' longest runs were 11 (normed matvec), 4 (gated), 8 (plain), 8 (experts) and
 # 16 (the step attention's unpack).
 # Each bound lies between the two: now 28, 20, 12, 12, 18 and 32 (ptxas 12.9). The experts'

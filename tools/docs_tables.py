@@ -23,6 +23,9 @@ figure is typed by hand (tests/test_docs.py checks both are up to date):
 - docs/reading-the-code.md, its reading order of the plain tier: each file's line count
   and the total, from src/strata_nb/kernels/.
 
+- each docs/measured/**/bench.md, from the bench.json beside it, as `strata-nb bench`
+  writes it (bench/report.py: the command as a reader pastes it, no machine's paths).
+
     python tools/docs_tables.py           # rewrite them
     python tools/docs_tables.py --check   # exit 1 if any table is out of date (the plot is not checked)
 """
@@ -32,6 +35,8 @@ import json
 import re
 import sys
 from pathlib import Path
+
+from strata_nb.bench.report import markdown, model_file, pastable
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH_JSON = ROOT / "docs" / "measured" / "bench" / "bench.json"
@@ -69,8 +74,8 @@ def readme_table(bench: dict) -> str:
         cells = [rate(by[name, d]["decode_tok_s"]) if (name, d) in by else "-" for d in depths]
         cells.append(rate(by[name, deepest]["prefill_tok_s"]) if (name, deepest) in by else "-")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    caption = (f"{bench['model']} on {bench['device']}, medians of {bench['runs']} runs, "
-               f"{bench['decode_tokens']} decode tokens a run: `{bench['command']}`")
+    caption = (f"{model_file(bench['command'])} on {bench['device']}, medians of {bench['runs']} runs, "
+               f"{bench['decode_tokens']} decode tokens a run: `{pastable(bench['command'])}`")
     return "\n".join([START, "", caption, "", *lines, "", END])
 
 
@@ -88,8 +93,16 @@ def lesson_table(lesson: dict) -> str:
         f"| before: {lesson['before_label']} | {figure(lesson['before'])} |",
         f"| after: {lesson['after_label']} | **{figure(lesson['after'])}** |",
         "",
-        f"Measured on {lesson['hardware']}: `{lesson['command']}`{note}.",
+        f"Measured on {lesson['hardware']}{bench_of(lesson['command'])}: `{lesson['command']}`{note}.",
     ]) + "\n"
+
+
+def bench_of(command: str) -> str:
+    """Where a lesson's command runs: a script in tools/ is the product's; one that is not
+    is the lab bench's (the `lab-bench` branch keeps it), and the lesson says so."""
+    script = re.search(r"\btools/(\w+\.py)\b", command)
+    return "" if script is None or (ROOT / "tools" / script[1]).is_file() else \
+        " with the lab bench (the `lab-bench` branch)"
 
 
 def all_lessons_table(lessons: list[dict]) -> str:
@@ -204,7 +217,7 @@ def experts_table(benches: dict[str, dict]) -> str:
              "the hit rate over the median run's timed steps. The depth is the prompt's length in tokens. "
              "Written by `python tools/docs_tables.py` from these `strata-nb bench` runs:", ""]
     for kind, bench in benches.items():
-        notes.append(f"- {kind}, `{bench['file']}` ({bench['model']}): `{bench['command']}`")
+        notes.append(f"- {kind}, `{bench['file']}` ({model_file(bench['command'])}): `{pastable(bench['command'])}`")
     return "\n".join(lines + [""] + against + ([""] if against else []) + notes) + "\n"
 
 
@@ -271,7 +284,7 @@ def needle_speed(before: dict, after: dict, code: str = "with it", sketch: str =
     rate = lambda bench: {(r["mode"], r["depth"]): r["decode_tok_s"] for r in bench["rows"]}  # noqa: E731
     old, new = rate(before), rate(after)
     weights = " (random weights of the default model's shapes)" if after.get("model") == "synthetic" else ""
-    command = re.sub(r"--model \S*/", "--model ", after["command"].split(" --out")[0])  # the file, not its machine path
+    command = pastable(after["command"])
     lines = [f"Measured with `{command}`{weights} on an {after['device']}, at the code "
              f"before the key sketch and {code}; medians of {after['runs']} runs.\n",
              f"| k8v4 | depth | decode tok/s, Quest's bound | decode tok/s, {sketch} | {sketch} / bound |",
@@ -312,6 +325,8 @@ def outputs() -> dict[Path, str]:
         sketch="later engine")
     for name, scores in NEEDLE_RUNS.items():
         out[NEEDLE_DIR / f"{name}.md"] = needle_page(json.loads((NEEDLE_DIR / f"{name}.json").read_text()), scores)
+    for bench in sorted((ROOT / "docs" / "measured").rglob("bench.json")):  # each run's own page, as the bench writes it
+        out[bench.with_suffix(".md")] = markdown(json.loads(bench.read_text()))
     return out
 
 

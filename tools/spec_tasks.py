@@ -19,6 +19,8 @@ import math
 import sys
 from pathlib import Path
 
+from strata_nb.bench.report import model_file, pastable
+from strata_nb.cli import _device_name
 from strata_nb import Engine
 from strata_nb.settings import SamplingSettings
 
@@ -109,7 +111,7 @@ def main(argv=None) -> int:
                       f"{r['tokens_per_pass']:.2f} a pass{'' if r['identical'] else ', NOT IDENTICAL'}",
                       file=sys.stderr)
     eng = engines[0]
-    about = dict(model=eng.config.name, device=a.device, kv=a.kv, max_tokens=a.max_tokens,
+    about = dict(model=eng.config.name, device=a.device, gpu=_device_name(eng.be), kv=a.kv, max_tokens=a.max_tokens,
                  command="python tools/spec_tasks.py " + " ".join(argv if argv is not None else sys.argv[1:]))
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -119,7 +121,8 @@ def main(argv=None) -> int:
 
 
 def table(about: dict, rows: list[dict]) -> str:
-    lines = [f"Measured with `{about['command']}` ({about['model']}, --kv {about['kv']}, greedy, "
+    lines = [f"Measured with `{pastable(about['command'])}` ({model_file(about['command'])}"
+             f"{', ' + about['gpu'] if about.get('gpu') else ''}, --kv {about['kv']}, greedy, "
              f"at most {about['max_tokens']} tokens).", "",
              "| kind | prompt | --spec | tok/s | --spec 0 tok/s | speedup | acceptance | tokens a pass | identical |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]

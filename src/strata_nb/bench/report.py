@@ -2,9 +2,44 @@
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 
+from ..model.fetch import FILENAME as DEFAULT_MODEL_FILE
 from ..probes import DEGENERATE
+
+
+def pastable(command: str) -> str:
+    """The bench's command as a reader can paste it: the model by its file name (none for
+    the default model, which the bench fetches itself), llama-bench where the GPU page
+    builds it, and no --out folder, so no path of the machine that ran it. An --append run's commands stay joined by "; then: "."""
+    parts = []
+    for part in command.split("; then: "):
+        words, kept = shlex.split(part), []
+        while words:
+            word = words.pop(0)
+            flag, _, value = word.partition("=")
+            if flag in ("--model", "--out", "--llama-bench"):
+                value = value or (words.pop(0) if words else "")
+                if flag == "--model" and Path(value).name != DEFAULT_MODEL_FILE:
+                    kept += ["--model", Path(value).name]
+                elif flag == "--llama-bench":  # as docs/gpu/running.md builds it, beside the folder it runs in
+                    kept += [flag, value[value.index("llama.cpp/"):] if "llama.cpp/" in value else Path(value).name]
+                continue
+            kept.append(word)
+        parts.append(shlex.join(kept))
+    return "; then: ".join(parts)
+
+
+def model_file(command: str) -> str:
+    """The file the bench ran, by name: --model's, else the default model's."""
+    words = shlex.split(command.split("; then: ")[0])
+    for i, word in enumerate(words):
+        if word.startswith("--model="):
+            return Path(word.split("=", 1)[1]).name
+        if word == "--model" and i + 1 < len(words):
+            return Path(words[i + 1]).name
+    return DEFAULT_MODEL_FILE
 
 
 def _rate(x) -> str:
@@ -127,12 +162,10 @@ def plot(result: dict, path: Path) -> bool:
     return True
 
 
-def write(result: dict, out: Path) -> list[Path]:
-    out.mkdir(parents=True, exist_ok=True)
-    written = [out / "bench.json", out / "bench.md"]
-    written[0].write_text(json.dumps(result, indent=1))
-    md = ["# strata-nb bench", "", f"`{result['command']}`", "",
-          f"Model: {result['model']}; device: {result['device']}; runs: {result['runs']} (median); "
+def markdown(result: dict) -> str:
+    """bench.md: the command, the table, llama.cpp's rows and the step profiles."""
+    md = ["# strata-nb bench", "", f"`{pastable(result['command'])}`", "",
+          f"Model: {model_file(result['command'])}; device: {result['device']}; runs: {result['runs']} (median); "
           f"decode tokens per run: {result['decode_tokens']}"
           + (f"; dependent launches: {result['dependent_launches']}"
              if result.get("dependent_launches") not in (None, "off", "no GPU") else "") + ".", "", table(result)]
@@ -141,7 +174,14 @@ def write(result: dict, out: Path) -> list[Path]:
     for key in ("profile", "profile_streamed"):
         if result.get(key):
             md += ["", f"## One decode step, {result[key]['config']}", "", profile_table(result[key])]
-    written[1].write_text("\n".join(md) + "\n")
+    return "\n".join(md) + "\n"
+
+
+def write(result: dict, out: Path) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    written = [out / "bench.json", out / "bench.md"]
+    written[0].write_text(json.dumps(result, indent=1))
+    written[1].write_text(markdown(result))
     if plot(result, out / "bench.png"):
         written.append(out / "bench.png")
     return written

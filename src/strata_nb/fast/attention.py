@@ -86,8 +86,7 @@ def attention(fmt, q, q_pos, blocks, page_table, pool, host, out, rotate_out: bo
                 ordered = found if ordered is None else ordered
             attention_step(fmt, n_kv, args, sides, dev.write(out), rotate_out, per_split, bool(ordered))
             return
-        # the tensor-core kernel by keyword only, so an older attention_prompt still runs
-        # the plain one (tools/kernel_ab.py times a launcher from another revision)
+        # the tensor-core kernel by keyword only: without it attention_prompt runs its own
         kernel = {"kernel": mma_prompt.MMA_KERNELS[fmt, head_dim], "threads": mma_prompt.MMA_THREADS} if mma else {}
         attention_prompt(fmt, n_kv, args, sides, dev.write(out), rotate_out, per_split, combine_groups, tile,
                          rows_alone, **kernel)

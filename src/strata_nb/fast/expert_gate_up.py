@@ -14,8 +14,7 @@ miss stages its rows through shared memory first (fast/expert_rows.py: stage_row
 decode step or a verify window the kernel also reads each chosen expert's down matrix into
 L2 for expert_down, as matvec reads the next product's weights ahead, when the expert is
 in a slot: a miss's down matrix is in host memory, where reading it ahead costs bus time
-that expert_down does not win back (it reads those bytes over the bus again:
-tools/expert_miss.py, "down read ahead"). It is launched as dependent
+that expert_down does not win back (it reads those bytes over the bus again). It is launched as dependent
 (fast/dependent_launch.py).
 
 It equals the plain kernel within `gate_up_tolerance` (kernels/experts/expert_gate_up.py):

@@ -19,7 +19,7 @@ its PTX says whether it does (`dependent_order`).
 The launches are recorded under the simulator (`record_launches`: kernel and argument
 types), and a process without the simulator compiles each (`compile_recorded`), so the
 module constants take their GPU values. The test suite's sm_90 check does this for every
-kernel the suite ran; `tools/kernel_resources.py` prints the table for a decode step.
+kernel the suite ran; `ptx_usage` reads each kernel's registers, shared memory and spills.
 ptxas comes with the nvidia-cuda-nvcc-cu12 wheel (the dev extra), or a CUDA toolkit.
 """
 from __future__ import annotations

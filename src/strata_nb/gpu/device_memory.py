@@ -9,8 +9,8 @@ cannot run ahead of the GPU while the host sits in cuMemAlloc.
 (`size_class`), and a new one takes a kept pointer of that class when there is one. The
 same shapes come back every layer and every chunk, so after the first chunk almost
 nothing reaches the driver. The GPU's work is the same either way; what goes is the
-host's time in the driver, so the host can run ahead of the GPU again
-(`tools/prefill_profile.py` shows the two side by side: wall time against GPU time).
+host's time in the driver, so the host can run ahead of the GPU again (the lesson
+"Device memory kept for reuse" in docs/gpu/fast.md measures it).
 
 Reuse is safe because every kernel and copy that touches these arrays runs in one order:
 the legacy default stream, or a graph's stream, which the legacy stream waits for and is
