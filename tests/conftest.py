@@ -123,6 +123,12 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: item.get_closest_marker("last") is not None)  # a stable sort
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """pytest-xdist, in the controller: each worker collected and left out the same tests."""
+    node.config.stash[LEFT_OUT] = node.workeroutput.get("left_out", 0)
+
+
 def pytest_terminal_summary(terminalreporter):
     n = terminalreporter.config.stash.get(LEFT_OUT, 0)
     if n:
@@ -132,8 +138,8 @@ def pytest_terminal_summary(terminalreporter):
 
 # ---- PTX for sm_90: every kernel the simulator ran, compiled for the GPU ----------------
 # The simulator runs kernels as Python, so it accepts code the GPU compiler rejects. Each
-# simulated launch records its kernel and argument types here; tests/test_ptx_sm90.py (its
-# last test marked `last`, so run after every other) compiles each one to sm_90 PTX in a
+# simulated launch records its kernel and argument types here; tests/test_ptx_sm90.py (marked
+# `last`, so run after every other test) compiles each one to sm_90 PTX in a
 # process without the simulator (fast/sm90.py).
 LAUNCHES: dict = {}
 
@@ -141,3 +147,73 @@ if not ON_GPU:
     from strata_nb.fast.sm90 import record_launches
 
     record_launches(LAUNCHES)
+
+# Under pytest-xdist (pyproject.toml runs the tests in a process per core) each worker
+# records its own launches. A worker leaves them in a folder the run's workers share,
+# <worker>.json, after every test that added one, and <worker>.done when it has no test
+# left; the sm_90 check waits for every other worker's .done and compiles them all
+# (every_launch). Its file runs on one worker, after the rest (`--dist loadfile`, and
+# the file is marked `last`); a worker waiting in it says <worker>.waiting, which counts
+# as done, so two workers that each got a share of it cannot wait for each other.
+SHARED: dict = {}  # "folder": the run's shared folder, "worker": this worker's id, "written": pairs last written
+
+
+def pytest_configure(config):
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is not None and not ON_GPU:
+        import tempfile
+
+        folder = Path(tempfile.gettempdir()) / f"strata-nb-launches-{workerinput['testrunuid']}"
+        folder.mkdir(exist_ok=True)
+        SHARED.update(folder=folder, worker=workerinput["workerid"], written=0)
+
+
+def leave_launches(mark: str | None = None) -> None:
+    """Write this worker's launches to the shared folder if they grew; then the mark."""
+    import json
+
+    folder, worker = SHARED["folder"], SHARED["worker"]
+    pairs = sum(len(sigs) for sigs in LAUNCHES.values())
+    if pairs != SHARED["written"]:
+        part = folder / f"{worker}.json.part"
+        part.write_text(json.dumps([[list(key), sorted(sigs)] for key, sigs in LAUNCHES.items()]))
+        part.replace(folder / f"{worker}.json")
+        SHARED["written"] = pairs
+    if mark:
+        (folder / f"{worker}.{mark}").touch()
+
+
+def pytest_runtest_logreport(report):
+    if SHARED and report.when == "teardown":
+        leave_launches()
+
+
+def pytest_sessionfinish(session):
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput["left_out"] = session.config.stash.get(LEFT_OUT, 0)
+    if SHARED:
+        leave_launches("done")
+
+
+def every_launch(timeout_s: float = 3600) -> dict:
+    """LAUNCHES, merged with every other worker's once they have all run their tests."""
+    if not SHARED:
+        return LAUNCHES
+    import json
+    import time
+
+    leave_launches("waiting")
+    folder, workers = SHARED["folder"], int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+    others = [f"gw{i}" for i in range(workers) if f"gw{i}" != SHARED["worker"]]
+    deadline = time.monotonic() + timeout_s
+    while not all((folder / f"{w}.done").exists() or (folder / f"{w}.waiting").exists() for w in others):
+        if time.monotonic() > deadline:
+            pytest.fail(f"the sm_90 check waited {timeout_s:.0f} s for the other workers' launches ({folder})")
+        time.sleep(0.5)
+    merged = {key: set(sigs) for key, sigs in LAUNCHES.items()}
+    for w in others:
+        if (folder / f"{w}.json").exists():
+            for key, sigs in json.loads((folder / f"{w}.json").read_text()):
+                merged.setdefault(tuple(key), set()).update(sigs)
+    return merged

@@ -3,18 +3,23 @@ none spills registers.
 
 The simulator executes kernels as Python, so it accepts things the GPU compiler rejects
 (a NumPy call inside a kernel, a type that does not unify). conftest.py records each
-simulated launch's kernel and argument types; the check here is marked `last`, so it runs
-after every other test, and a child process without the simulator compiles each kernel
+simulated launch's kernel and argument types; this file is marked `last`, so it runs
+after every other test (under pytest-xdist, after every other worker's: conftest's
+every_launch), and a child process without the simulator compiles each kernel
 with `cuda.compile_ptx(..., cc=(9, 0))`, then asks ptxas what it uses (fast/sm90.py). A
 kernel whose registers spill to local memory fails: that is a slowdown the simulator cannot
 show. So does a kernel marked for dependent launches (fast/dependent_launch.py) whose PTX
 touches global memory before its griddepcontrol.wait. No GPU needed, only NVRTC/libNVVM and ptxas (the nvidia-cuda-nvrtc-cu12 and
 nvidia-cuda-nvcc-cu12 wheels)."""
+import os
+
 import pytest
 
-from conftest import LAUNCHES, ON_GPU
+from conftest import ON_GPU, every_launch
 from strata_nb.fast.sm90 import (compile_recorded, load_runs, nvdisasm, parse_ptxas, ptxas, variant,
                                 warps_by_registers, wide_divides)
+
+pytestmark = pytest.mark.last  # after every other test: it compiles what they ran (conftest.py)
 
 # ptxas -v's report of a kernel that spills, as ptxas 12 words it
 SPILLING = """ptxas info    : Compiling entry function 'k' for 'sm_90'
@@ -109,7 +114,8 @@ def compiled():
     SASS (nvdisasm)."""
     if ON_GPU:
         pytest.skip("on a GPU the kernels are compiled for real")
-    if not LAUNCHES:
+    launches = every_launch()
+    if not launches:
         pytest.skip("no kernel ran under the simulator in this session (run it with the kernel tests)")
     try:
         import nvidia.cuda_nvrtc  # noqa: F401  (the wheel that carries NVRTC)
@@ -118,10 +124,9 @@ def compiled():
     binary, disassembler = ptxas(), nvdisasm()
     assert binary, "ptxas is missing: pip install -e '.[dev]' brings nvidia-cuda-nvcc-cu12"
     assert disassembler, "nvdisasm is missing: pip install -e '.[dev]' brings nvidia-cuda-nvdisasm"
-    return compile_recorded(LAUNCHES, binary, disassembler=disassembler)
+    return compile_recorded(launches, binary, workers=os.cpu_count() or 2, disassembler=disassembler)
 
 
-@pytest.mark.last
 def test_every_simulated_kernel_compiles_for_sm90_without_spills(compiled):
     failures, rows = compiled
     assert not failures, "\n".join(failures)
@@ -160,7 +165,6 @@ GROUPED_LOADS = [("matvec_kernel", "x_normed", 20), ("matvec_kernel", "x_gated",
                  ("expert_gate_up_kernel", "stages=False", 16), ("attention_step_kernel", "read_float_column", 24)]
 
 
-@pytest.mark.last
 def test_a_round_s_loads_go_out_together(compiled):
     failures, rows = compiled
     checked = [r for r in rows for name, needle, _ in GROUPED_LOADS if r["kernel"] == name and needle in r["made_from"]]
@@ -172,7 +176,6 @@ def test_a_round_s_loads_go_out_together(compiled):
     assert not short, "\n".join(short)
 
 
-@pytest.mark.last
 def test_the_step_attention_lets_the_next_kernel_start_late(compiled):
     """The step attention lets the next kernel launch once a split's record is written,
     not at its start (docs: "When the next kernel may start"): in its PTX, launch_dependents
@@ -185,7 +188,6 @@ def test_the_step_attention_lets_the_next_kernel_start_late(compiled):
     assert not early, "lets the next kernel start before its first store:\n" + "\n".join(early)
 
 
-@pytest.mark.last
 def test_the_kernels_that_end_in_one_block_let_nothing_start_early(compiled):
     """The fast router (fast/route.py, one thread block a token) waits for the o matvec but
     lets the experts' kernel launch only at its end; select_blocks, whose last thread block
@@ -200,7 +202,6 @@ def test_the_kernels_that_end_in_one_block_let_nothing_start_early(compiled):
     assert all(not r["waits"] and not r["lets_next"] for r in found["select_blocks_kernel"])
 
 
-@pytest.mark.last
 def test_each_step_attention_build_fits_its_blocks_an_sm(compiled):
     """The step attention's two builds (attention_step.py): the one for three thread blocks
     an SM keeps to registers that three blocks of 256 threads can have (the compiler does it
