@@ -63,7 +63,7 @@ def readme_table(bench: dict) -> str:
     """One row per format and mode (then each peer): decode tok/s at every depth, prefill
     tok/s at the deepest."""
     rows = [(f"{r['fmt']} {r['mode']}", r) for r in bench["rows"]]
-    rows += [(p["peer"], p) for p in bench.get("peer", []) if "error" not in p]
+    rows += [(p["peer"], p) for p in bench.get("peer", []) + bench.get("llama", []) if "error" not in p]
     depths = sorted({r["depth"] for _, r in rows})
     names = list(dict.fromkeys(name for name, _ in rows))
     by = {(name, r["depth"]): r for name, r in rows}
