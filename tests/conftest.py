@@ -6,9 +6,12 @@ simulator runs them on the CPU with small shapes.
 
 Two tiers. `python -m pytest -q` runs the default tier, minutes on two CPU cores; it
 leaves out the tests marked `sim_engine` (the whole engine under the simulator, where every
-CUDA thread is a Python thread: minutes each on a CPU, seconds on a GPU) and `slow`.
+CUDA thread is a Python thread: minutes each on a CPU, seconds on a GPU), `fast_twin` (a
+fast-tier kernel against its plain twin: the default tier holds every plain kernel to its
+reference, and the engine's one writer, streamed against resident, in every format) and
+`slow`.
 STRATA_NB_TESTS=all runs every test, as CI does (.ci/run); STRATA_NB_GPU=1 runs the
-`sim_engine` tests too. A test file or test named on the command line always runs.
+`sim_engine` and `fast_twin` tests too. A test file or test named on the command line always runs.
 """
 import os
 import sys
@@ -39,7 +42,6 @@ def _thread_safe_shared_arrays():
     others (seen as a top-p draw that changed from run to run). The same lookup, under a
     lock."""
     import threading
-    import traceback
 
     import numpy as np
     from numba.core import types
@@ -53,7 +55,8 @@ def _thread_safe_shared_arrays():
             return original(self, shape, dtype, alignment)
         if isinstance(dtype, types.Type):
             dtype = numpy_support.as_dtype(dtype)
-        caller = tuple(traceback.extract_stack(sys._getframe())[-2][0:2])  # (file, line) of the kernel's call
+        frame = sys._getframe(1)  # the kernel's line that asks; traceback.extract_stack would read every
+        caller = (frame.f_code.co_filename, frame.f_lineno)  # frame's source for the same two fields
         with lock:
             if caller not in self._allocations:
                 self._allocations[caller] = np.empty(shape, dtype)
@@ -107,8 +110,8 @@ def left_out(item, named: set[Path]) -> bool:
     """Whether the default tier leaves this test out (see the module docstring)."""
     if ALL_TIERS or item.path.resolve() in named:
         return False
-    return item.get_closest_marker("slow") is not None or (
-        item.get_closest_marker("sim_engine") is not None and not ON_GPU)
+    return item.get_closest_marker("slow") is not None or not ON_GPU and (
+        item.get_closest_marker("sim_engine") is not None or item.get_closest_marker("fast_twin") is not None)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -119,8 +122,21 @@ def pytest_collection_modifyitems(config, items):
             config.hook.pytest_deselected(items=out)
             items[:] = [item for item in items if item not in out]
             config.stash[LEFT_OUT] = len(out)
-    # `last` tests run after every other: the PTX check compiles each kernel the session ran
-    items.sort(key=lambda item: item.get_closest_marker("last") is not None)  # a stable sort
+    # Under pytest-xdist a file's tests go to one worker, files in the order collected
+    # (--no-loadscope-reorder): the files that take longest first, so no worker is left
+    # running a long one while the other has nothing to do; `last` tests after every other
+    # (the PTX check compiles each kernel the session ran).
+    cost = {}
+    for item in items:
+        cost[item.path] = cost.get(item.path, 0) + guessed_seconds(item)
+    items.sort(key=lambda item: (item.get_closest_marker("last") is not None, -cost[item.path]))  # stable
+
+
+def guessed_seconds(item) -> int:
+    """A test's time under the simulator, roughly, from its marks: only the order matters."""
+    if item.get_closest_marker("sim_engine") or item.get_closest_marker("slow"):
+        return 60
+    return 8 if item.get_closest_marker("fast_twin") else 1
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -132,7 +148,7 @@ def pytest_testnodedown(node, error):
 def pytest_terminal_summary(terminalreporter):
     n = terminalreporter.config.stash.get(LEFT_OUT, 0)
     if n:
-        terminalreporter.write_line(f"default tier: {n} tests marked slow or sim_engine left out; "
+        terminalreporter.write_line(f"default tier: {n} tests marked slow, sim_engine or fast_twin left out; "
                                     "STRATA_NB_TESTS=all python -m pytest -q runs every test (as CI does)")
 
 
@@ -151,8 +167,8 @@ if not ON_GPU:
 # Under pytest-xdist (pyproject.toml runs the tests in a process per core) each worker
 # records its own launches. A worker leaves them in a folder the run's workers share,
 # <worker>.json, after every test that added one, and <worker>.done when it has no test
-# left; the sm_90 check waits for every other worker's .done and compiles them all
-# (every_launch). Its file runs on one worker, after the rest (`--dist loadfile`, and
+# left; the sm_90 check compiles what the others have left so far while it waits for
+# every other worker's .done, then the rest (launches_so_far). Its file runs on one worker, after the rest (`--dist loadfile`, and
 # the file is marked `last`); a worker waiting in it says <worker>.waiting, which counts
 # as done, so two workers that each got a share of it cannot wait for each other.
 SHARED: dict = {}  # "folder": the run's shared folder, "worker": this worker's id, "written": pairs last written
@@ -196,10 +212,14 @@ def pytest_sessionfinish(session):
         leave_launches("done")
 
 
-def every_launch(timeout_s: float = 3600) -> dict:
-    """LAUNCHES, merged with every other worker's once they have all run their tests."""
+def launches_so_far(timeout_s: float = 3600):
+    """Yield (launches, final): this worker's LAUNCHES merged with every other worker's as
+    they stand, again and again while the others still run tests (the sm_90 check compiles
+    each batch meanwhile, so its worker does not sit idle), and last with final=True once
+    they have all run theirs."""
     if not SHARED:
-        return LAUNCHES
+        yield LAUNCHES, True
+        return
     import json
     import time
 
@@ -207,13 +227,16 @@ def every_launch(timeout_s: float = 3600) -> dict:
     folder, workers = SHARED["folder"], int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
     others = [f"gw{i}" for i in range(workers) if f"gw{i}" != SHARED["worker"]]
     deadline = time.monotonic() + timeout_s
-    while not all((folder / f"{w}.done").exists() or (folder / f"{w}.waiting").exists() for w in others):
+    while True:
+        final = all((folder / f"{w}.done").exists() or (folder / f"{w}.waiting").exists() for w in others)
+        merged = {key: set(sigs) for key, sigs in LAUNCHES.items()}
+        for w in others:
+            if (folder / f"{w}.json").exists():
+                for key, sigs in json.loads((folder / f"{w}.json").read_text()):
+                    merged.setdefault(tuple(key), set()).update(sigs)
+        yield merged, final
+        if final:
+            return
         if time.monotonic() > deadline:
             pytest.fail(f"the sm_90 check waited {timeout_s:.0f} s for the other workers' launches ({folder})")
-        time.sleep(0.5)
-    merged = {key: set(sigs) for key, sigs in LAUNCHES.items()}
-    for w in others:
-        if (folder / f"{w}.json").exists():
-            for key, sigs in json.loads((folder / f"{w}.json").read_text()):
-                merged.setdefault(tuple(key), set()).update(sigs)
-    return merged
+        time.sleep(1)

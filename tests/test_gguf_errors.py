@@ -1,4 +1,6 @@
 """Every way a model file can be wrong gets one clear error (and exit 2 from the CLI)."""
+from pathlib import Path
+
 import gguf
 import numpy as np
 import pytest
@@ -23,14 +25,14 @@ def test_not_a_gguf(tmp_path):
 
 def test_truncated_header(tiny_model, tmp_path):
     p = tmp_path / "cut.gguf"
-    p.write_bytes(open(tiny_model, "rb").read()[:200])
+    p.write_bytes(Path(tiny_model).read_bytes()[:200])
     with pytest.raises(StrataError, match="truncated or corrupt: its header does not read"):
         GGUFModel(p)
 
 
 @pytest.mark.parametrize("cut_in", ["blk.0.ffn_up.weight", "the last tensor"])
 def test_truncated_tensor_data_names_the_tensor_and_the_missing_bytes(cut_in, tiny_model, tmp_path):
-    data = open(tiny_model, "rb").read()
+    data = Path(tiny_model).read_bytes()
     tensors = sorted(GGUFModel(tiny_model).reader.tensors, key=lambda t: t.data_offset)
     if cut_in == "the last tensor":
         name, end = tensors[-1].name, len(data) - 1
@@ -69,9 +71,9 @@ def test_cli_bad_model_is_one_line_exit_2(make, tiny_model, tmp_path, capsys):
     if make == "notgguf":
         p.write_text("not a model")
     elif make == "truncated header":
-        p.write_bytes(open(tiny_model, "rb").read()[:5000])
+        p.write_bytes(Path(tiny_model).read_bytes()[:5000])
     elif make == "truncated data":
-        p.write_bytes(open(tiny_model, "rb").read()[:-1000])
+        p.write_bytes(Path(tiny_model).read_bytes()[:-1000])
     with pytest.raises(SystemExit) as exit_:
         main(["run", "--model", str(p), "hello"])
     assert exit_.value.code == 2

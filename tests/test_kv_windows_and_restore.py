@@ -63,7 +63,7 @@ def test_restore_then_ring_restore_reads_identical(fmt):
     assert a.tobytes() == b.tobytes()
 
 
-@pytest.mark.parametrize("backend", ["numpy", "cuda"])
+@pytest.mark.parametrize("backend", ["numpy", pytest.param("cuda", marks=pytest.mark.sim_engine)])
 @pytest.mark.parametrize("settings", [{}, dict(STREAMED, qsa_budget=128)], ids=["resident", "streamed-qsa"])
 def test_a_snapshot_into_parking_memory_restores_the_same_bytes(backend, settings):
     """snapshot(end, into=...) (the conversation cache's range of pinned memory) holds the

@@ -5,7 +5,7 @@ The simulator executes kernels as Python, so it accepts things the GPU compiler 
 (a NumPy call inside a kernel, a type that does not unify). conftest.py records each
 simulated launch's kernel and argument types; this file is marked `last`, so it runs
 after every other test (under pytest-xdist, after every other worker's: conftest's
-every_launch), and a child process without the simulator compiles each kernel
+launches_so_far), and a child process without the simulator compiles each kernel
 with `cuda.compile_ptx(..., cc=(9, 0))`, then asks ptxas what it uses (fast/sm90.py). A
 kernel whose registers spill to local memory fails: that is a slowdown the simulator cannot
 show. So does a kernel marked for dependent launches (fast/dependent_launch.py) whose PTX
@@ -15,11 +15,14 @@ import os
 
 import pytest
 
-from conftest import ON_GPU, every_launch
+from conftest import ON_GPU, launches_so_far
 from strata_nb.fast.sm90 import (compile_recorded, load_runs, nvdisasm, parse_ptxas, ptxas, variant,
                                 warps_by_registers, wide_divides)
 
 pytestmark = pytest.mark.last  # after every other test: it compiles what they ran (conftest.py)
+# The checks that compile every kernel the session ran take minutes of CPU: the full tier
+# (STRATA_NB_TESTS=all, as CI runs) has them, the default tier the rest of this file.
+COMPILES_ALL = pytest.mark.slow
 
 # ptxas -v's report of a kernel that spills, as ptxas 12 words it
 SPILLING = """ptxas info    : Compiling entry function 'k' for 'sm_90'
@@ -111,12 +114,10 @@ def test_wide_divides_are_counted_in_ptx():
 def compiled():
     """(failures, rows): every kernel the simulator ran in this session, compiled for sm_90
     once for the checks below, with ptxas's numbers and the longest run of loads in its
-    SASS (nvdisasm)."""
+    SASS (nvdisasm). Under pytest-xdist the other workers' kernels are compiled as they
+    come, one process at a time while they still run tests, all cores at the end."""
     if ON_GPU:
         pytest.skip("on a GPU the kernels are compiled for real")
-    launches = every_launch()
-    if not launches:
-        pytest.skip("no kernel ran under the simulator in this session (run it with the kernel tests)")
     try:
         import nvidia.cuda_nvrtc  # noqa: F401  (the wheel that carries NVRTC)
     except ImportError:
@@ -124,9 +125,21 @@ def compiled():
     binary, disassembler = ptxas(), nvdisasm()
     assert binary, "ptxas is missing: pip install -e '.[dev]' brings nvidia-cuda-nvcc-cu12"
     assert disassembler, "nvdisasm is missing: pip install -e '.[dev]' brings nvidia-cuda-nvdisasm"
-    return compile_recorded(launches, binary, workers=os.cpu_count() or 2, disassembler=disassembler)
+    failures, rows, done = [], [], set()
+    for launches, final in launches_so_far():
+        new = {key: fresh for key, sigs in launches.items() if (fresh := {s for s in sigs if (key, s) not in done})}
+        if new:
+            done |= {(key, sig) for key, sigs in new.items() for sig in sigs}
+            batch = compile_recorded(new, binary, workers=(os.cpu_count() or 2) if final else 1,
+                                     disassembler=disassembler)
+            failures += batch[0]
+            rows += batch[1]
+    if not done:
+        pytest.skip("no kernel ran under the simulator in this session (run it with the kernel tests)")
+    return failures, rows
 
 
+@COMPILES_ALL
 def test_every_simulated_kernel_compiles_for_sm90_without_spills(compiled):
     failures, rows = compiled
     assert not failures, "\n".join(failures)
@@ -165,6 +178,7 @@ GROUPED_LOADS = [("matvec_kernel", "x_normed", 20), ("matvec_kernel", "x_gated",
                  ("expert_gate_up_kernel", "stages=False", 16), ("attention_step_kernel", "read_float_column", 24)]
 
 
+@COMPILES_ALL
 def test_a_round_s_loads_go_out_together(compiled):
     failures, rows = compiled
     checked = [r for r in rows for name, needle, _ in GROUPED_LOADS if r["kernel"] == name and needle in r["made_from"]]
@@ -176,6 +190,7 @@ def test_a_round_s_loads_go_out_together(compiled):
     assert not short, "\n".join(short)
 
 
+@COMPILES_ALL
 def test_the_step_attention_lets_the_next_kernel_start_late(compiled):
     """The step attention lets the next kernel launch once a split's record is written,
     not at its start (docs: "When the next kernel may start"): in its PTX, launch_dependents
@@ -188,6 +203,7 @@ def test_the_step_attention_lets_the_next_kernel_start_late(compiled):
     assert not early, "lets the next kernel start before its first store:\n" + "\n".join(early)
 
 
+@COMPILES_ALL
 def test_the_kernels_that_end_in_one_block_let_nothing_start_early(compiled):
     """The fast router (fast/route.py, one thread block a token) waits for the o matvec but
     lets the experts' kernel launch only at its end; select_blocks, whose last thread block
@@ -202,6 +218,7 @@ def test_the_kernels_that_end_in_one_block_let_nothing_start_early(compiled):
     assert all(not r["waits"] and not r["lets_next"] for r in found["select_blocks_kernel"])
 
 
+@COMPILES_ALL
 def test_each_step_attention_build_fits_its_blocks_an_sm(compiled):
     """The step attention's two builds (attention_step.py): the one for three thread blocks
     an SM keeps to registers that three blocks of 256 threads can have (the compiler does it

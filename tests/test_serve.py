@@ -92,6 +92,9 @@ def requests_mixed() -> list[dict]:
     return out
 
 
+ROUNDS = 8  # requests a client sends, one after another: 256 in all, over 12 conversations
+
+
 def test_32_clients_each_get_the_reply_the_request_gets_alone(base, server):
     bodies = requests_mixed()
     alone = start(base, cache_mib=0)
@@ -102,7 +105,7 @@ def test_32_clients_each_get_the_reply_the_request_gets_alone(base, server):
 
     def client(c: int) -> list[str]:
         rng, wrong = random.Random(c), []
-        for _ in range(20):
+        for _ in range(ROUNDS):
             i = rng.randrange(len(bodies))
             got = chat(server.url, bodies[i] | {"stream": rng.random() < 0.5})
             if (got["content"], got["finish_reason"]) != (want[i]["content"], want[i]["finish_reason"]):
@@ -112,7 +115,7 @@ def test_32_clients_each_get_the_reply_the_request_gets_alone(base, server):
     with ThreadPoolExecutor(32) as pool:
         wrong = [w for ws in pool.map(client, range(32)) for w in ws]
     assert wrong == []
-    assert metric(server.url, 'requests_total{endpoint="/v1/chat/completions",status="200"}') == 640
+    assert metric(server.url, 'requests_total{endpoint="/v1/chat/completions",status="200"}') == 32 * ROUNDS
     assert metric(server.url, "cached_tokens_total") > 0  # follow-ups resumed parked conversations
     assert metric(server.url, "conversation_cache_evictions_total") > 0  # more than the budget holds came by
     assert 0 < metric(server.url, "conversation_cache_bytes") <= BUDGET_MIB * 2**20

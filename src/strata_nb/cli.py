@@ -6,6 +6,7 @@ import os
 import shlex
 import sys
 import time
+from pathlib import Path
 
 import click
 
@@ -179,7 +180,6 @@ def run(prompt, max_tokens, temperature, top_k, top_p, seed, raw, stats, **engin
                    "(the probe's 'repeat after others' check catches it). Off by default.")
 def serve(host, port, conversation_cache_mib, conversation_fault, **engine_kw):
     """An OpenAI-compatible server: /v1/chat/completions, /v1/completions, /v1/models, /metrics."""
-    from pathlib import Path
 
     from .serve.app import create_app, listen, serve_forever
 
@@ -295,7 +295,7 @@ def compare_kv_cmd(model, text_file, ctx, formats, budgets, prefill_chunk, devic
     if not fmts or not qsa or min(qsa) < 0:
         raise StrataError("give at least one format and budgets >= 0")
     if text_file:
-        text = open(text_file, encoding="utf-8", errors="replace").read()
+        text = Path(text_file).read_text(encoding="utf-8", errors="replace")
         name = text_file
     else:
         text = resources.files("strata_nb.data").joinpath("default_document.txt").read_text()
@@ -342,7 +342,6 @@ def compare_kv_cmd(model, text_file, ctx, formats, budgets, prefill_chunk, devic
 def needle(lengths, depths, budgets, trials, max_tokens, seed, out, as_json, **engine_kw):
     """Retrieval accuracy of a planted fact per (depth, length), full attention beside QSA budgets."""
     from importlib.util import find_spec
-    from pathlib import Path
 
     from tqdm import tqdm
 
@@ -381,7 +380,6 @@ def needle(lengths, depths, budgets, trials, max_tokens, seed, out, as_json, **e
 
 def _out_folder(out: str) -> "Path":
     """--out's folder, made before the work whose results it will hold, or a clear error."""
-    from pathlib import Path
 
     try:
         Path(out).mkdir(parents=True, exist_ok=True)
@@ -392,7 +390,6 @@ def _out_folder(out: str) -> "Path":
 
 def _out_file(out: str) -> "Path":
     """--out's file, its folder checked before the work whose results it will hold."""
-    from pathlib import Path
 
     if not Path(out).parent.is_dir():
         raise StrataError(f"--out {out}: the folder {Path(out).parent} does not exist")
@@ -446,7 +443,6 @@ def bench(model, formats, streamed_formats, depths, runs, decode_tokens, check_t
           graph, kernel_tiers, max_context, out, append, expert_cache, spec_windows, llama_bench):
     """Measure prefill and decode tok/s per KV format, resident and streamed, at several depths."""
     from importlib import resources
-    from pathlib import Path
 
     from .bench.report import write
     from .bench.run import bench as run_bench

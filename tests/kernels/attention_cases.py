@@ -15,7 +15,7 @@ from strata_nb.kv_layout import all_blocks_upto
 
 # The simulator runs every CUDA thread as a Python thread: 6 query heads on 3 KV heads
 # there (still GQA), the default model's 9 on 3 on a GPU.
-N_HEADS, N_KV = (6, 3) if config.ENABLE_CUDASIM else (9, 3)
+N_HEADS, N_KV = (4, 2) if config.ENABLE_CUDASIM else (9, 3)
 HEAD_DIM = 64
 N_BLOCKS = 6
 PAGE_TABLE = np.array([2, -1, 0, 3, -1, 1], np.int32)  # blocks 1 and 4 are read from the host copy

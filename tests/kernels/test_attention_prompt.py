@@ -16,7 +16,7 @@ from strata_nb.kernels.attention import attention as plain
 from strata_nb.kernels.attention.attention import ATOL, RTOL, attention_ref
 from strata_nb.kv_layout import all_blocks_upto, shared_blocks_upto
 
-pytestmark = GARBAGE_READS
+pytestmark = [GARBAGE_READS, pytest.mark.fast_twin]  # the fast tier's kernel: the full tier (conftest.py)
 
 
 def test_rotate_out_after_the_combine():

@@ -25,6 +25,7 @@ def test_the_fast_launcher_is_the_plain_one_s_twin():
     assert TWINS[plain.attention] is attention and attention.plain_twin is plain.attention
 
 
+@pytest.mark.fast_twin
 @pytest.mark.parametrize("fmt, n_queries", [(fmt, 3) for fmt in FORMATS] + [("fp16", 1), ("k8v4", 8)])
 def test_kernel_matches_the_plain_kernel(fmt, n_queries):
     """Three queries at positions inside their blocks, in every format; a step (1) and a
@@ -36,10 +37,12 @@ def test_kernel_matches_the_plain_kernel(fmt, n_queries):
     np.testing.assert_allclose(got, want, atol=ATOL, rtol=RTOL)
 
 
+@pytest.mark.fast_twin
 def test_rotate_out_in_the_merging_block():
     check_rotate_out(lambda *a, **k: attention(*a, tile=1, **k))
 
 
+@pytest.mark.fast_twin
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_kernel_matches_ref_one_block_per_split(fmt):
     """Every selected column its own split, padding columns too (a split that sees no
@@ -51,6 +54,7 @@ def test_kernel_matches_ref_one_block_per_split(fmt):
     np.testing.assert_allclose(got, run(attention_ref, *args), atol=ATOL, rtol=RTOL)
 
 
+@pytest.mark.fast_twin
 def test_step_kernel_leaves_its_tickets_at_zero():
     """The split that arrives last merges and resets its counter, so the next launch (or
     graph replay) starts from 0 and gives the same bits."""
@@ -70,6 +74,7 @@ def nan_records(monkeypatch):
                         lambda shape, dtype: cuda.to_device(np.full(shape, np.nan, dtype)))
 
 
+@pytest.mark.fast_twin
 @pytest.mark.parametrize("q_pos, blocks, active", [
     (5, [0, 1, 2, 3, 4, 5], 1),     # a replayed resident step near an empty context: one split sees a cell
     (37, [0, 1, 2, 3, 4, 5], 3),    # blocks 0..2 seen, 3..5 wholly after the query
@@ -101,6 +106,7 @@ def test_a_query_that_sees_no_cell_gets_zeros(nan_records):
     np.testing.assert_array_equal(run(lambda *a: attention(*a, per_split=1), *args), 0)
 
 
+@pytest.mark.fast_twin
 def test_shared_selection_on_the_step_kernel():
     """A shared (1, S) selection sent to the one-query-per-block kernel (tile 1) is given a
     row per query first."""
@@ -112,6 +118,7 @@ def test_shared_selection_on_the_step_kernel():
                                atol=ATOL, rtol=RTOL)
 
 
+@pytest.mark.fast_twin
 def test_kernel_reads_device_pool_and_mapped_host():
     """The cuda backend's arrays: the pool in VRAM, the host copy in mapped pinned memory
     that the kernel reads in place."""
@@ -123,6 +130,7 @@ def test_kernel_reads_device_pool_and_mapped_host():
     np.testing.assert_allclose(got, want, atol=ATOL, rtol=RTOL)
 
 
+@pytest.mark.fast_twin
 def test_kernel_without_a_host_copy():
     """Every block resident and host=None, as the prompt's staging pool is read."""
     identity = np.arange(N_BLOCKS, dtype=np.int32)
@@ -139,6 +147,7 @@ def lone_case(fmt, q_pos, seed=8):
     return (fmt, q, np.array([q_pos], np.int32), np.array([np.arange(N_BLOCKS)], np.int32), PAGE_TABLE, pool, host)
 
 
+@pytest.mark.fast_twin
 @pytest.mark.parametrize("fmt, q_pos, per_split", [
     ("fp16", 5, 1), ("k8v4", 12, 1),   # the query's block alone in the first of six splits
     ("fp16", 40, 4), ("k8v4", 63, 4),  # three and four blocks in the first split of two
@@ -168,6 +177,7 @@ def test_which_build_a_launch_gets(monkeypatch):
     assert attention_step_module.two_per_sm_columns(300, 64) == 0  # not one split per KV head
 
 
+@pytest.mark.fast_twin
 @pytest.mark.parametrize("fmt, q_pos, per_split", [("k8v4", 90, 1), ("fp16", 40, 4)])
 def test_the_two_builds_give_the_same_bits(nan_records, monkeypatch, fmt, q_pos, per_split):
     """The builds for two and three thread blocks an SM differ in the registers a thread
@@ -187,6 +197,7 @@ def test_the_two_builds_give_the_same_bits(nan_records, monkeypatch, fmt, q_pos,
     np.testing.assert_allclose(out[0], want, atol=ATOL, rtol=RTOL)
 
 
+@pytest.mark.fast_twin
 def test_a_lone_split_trusts_the_order():
     """The shortcut is taken on the list's word: a device list that claims to be ordered
     but has a seen block after padding loses that block's cells (so the shortcut runs, and

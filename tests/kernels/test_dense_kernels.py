@@ -278,6 +278,7 @@ def test_matvec_warps_split_a_row():
     assert_within(got, want, dot_tolerance(x, dequantize(raw, "Q4_1")))
 
 
+@pytest.mark.fast_twin
 @pytest.mark.parametrize("n, kind", [(1, "normed"), (1, "gated"), (3, "add")])
 def test_matvec_reads_the_next_matrix_ahead(n, kind):
     """`ahead`: every thread of the grid reads the first byte of its 32-byte sectors of the
@@ -308,6 +309,7 @@ def test_matvec_reads_the_next_matrix_ahead(n, kind):
 FUSED = [("norm", False), ("swiglu", True), (None, True)]
 
 
+@pytest.mark.fast_twin
 @pytest.mark.parametrize("n", [1, 3] if ON_GPU else [2])
 @pytest.mark.parametrize("prologue, add", FUSED)
 def test_fused_matvec_matches_ref(prologue, add, n):
@@ -333,6 +335,7 @@ def test_fused_matvec_matches_ref(prologue, add, n):
         assert not within(stored, want, bound)
 
 
+@pytest.mark.fast_twin
 @pytest.mark.parametrize("n, warps", [(1, None), (2, 3)] if not ON_GPU else [(1, None), (3, None)])
 def test_normed_matvec_scales_the_sum_by_one_over_rms(n, warps):
     """A normed kernel multiplies x * norm and scales each output's sum by 1 / rms, the
@@ -356,6 +359,7 @@ def test_normed_matvec_scales_the_sum_by_one_over_rms(n, warps):
     assert not within(unscaled, want, bound)
 
 
+@pytest.mark.fast_twin
 @pytest.mark.parametrize("n, warps", [(1, None), (1, 3), (2, 3)] if not ON_GPU else [(1, None), (3, None)])
 def test_rope_epilogue_equals_matvec_then_rope_bit_for_bit(n, warps):
     """q|k|v with RoPE fused into the matvec's store: the same totals, rotated by
@@ -392,6 +396,7 @@ def test_rope_epilogue_equals_matvec_then_rope_bit_for_bit(n, warps):
 
 # ---- the fast twins against their plain kernels ----------------------------------------------
 
+@pytest.mark.fast_twin
 @pytest.mark.parametrize("shape", MATVEC_SHAPES)
 @pytest.mark.parametrize("qtype, n", MATVEC_CASES)
 def test_fast_matvec_is_the_plain_matvec_within_dot_tolerance(qtype, n, shape):
@@ -413,6 +418,7 @@ def test_fast_matvec_is_the_plain_matvec_within_dot_tolerance(qtype, n, shape):
     assert_within(fast, want, bound)
 
 
+@pytest.mark.fast_twin
 @pytest.mark.parametrize("qtype, n, shape", MATMUL_CASES)
 def test_tiled_matmul_is_the_plain_matmul_bit_for_bit(qtype, n, shape):
     """fast/matmul_tiled.py's kernel makes the plain kernel's sums in the same order (every

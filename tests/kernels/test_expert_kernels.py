@@ -95,6 +95,7 @@ def test_route_matches_the_reference(qtype, d):
     assert h.sum() - 7 * LAYERS * E == sum(int(res[AT + e] >= 0) for e in c.ravel())
 
 
+@pytest.mark.fast_twin
 @pytest.mark.parametrize("qtype, d", [("F32", D), ("Q8_0", D), ("F32", 1088)])
 def test_the_fast_router_equals_the_plain_one(qtype, d):
     """The same inputs: the same choices, lookups and counts; the normed row and the
@@ -217,6 +218,7 @@ def stages(host, row_words: int) -> bool:
         return bool(stage_words(dev, host, row_words)[1])
 
 
+@pytest.mark.fast_twin
 @pytest.mark.parametrize("qtype,n_slots,stage", [("Q4_1", 2, True), ("Q4_1", 2, False), ("Q4_0", 0, True),
                                                  ("Q8_0", 2, True)])
 def test_the_fast_gate_up_equals_the_plain_one(qtype, n_slots, stage):
@@ -232,6 +234,7 @@ def test_the_fast_gate_up_equals_the_plain_one(qtype, n_slots, stage):
     assert_within(got, want, gate_up_tolerance(x_norm, chosen, lambda e: f_host[AT + e]))
 
 
+@pytest.mark.fast_twin
 @pytest.mark.parametrize("warps,stage", [(1, False), (2, False), (2, True)])
 def test_the_fast_gate_up_kernel_walks_its_parts_across_trips(warps, stage):
     """D = 576 (72 parts: one warp takes three trips, two warps two) and F = 5 (the last
@@ -256,6 +259,7 @@ def test_the_fast_gate_up_kernel_walks_its_parts_across_trips(warps, stage):
     assert_within(got, want, gate_up_tolerance(x_norm, chosen, lambda e: f_host[AT + e]))
 
 
+@pytest.mark.fast_twin
 def test_gate_up_reads_the_chosen_experts_down_matrices_ahead():
     """Every sector of each hit's down matrix is read once, from its slot: the grid's XOR
     is the XOR of each hit's. A miss's is not read ahead (it would cross the bus twice)."""
@@ -273,7 +277,8 @@ def test_gate_up_reads_the_chosen_experts_down_matrices_ahead():
     assert np.bitwise_xor.reduce(ahead_out) == want
 
 
-@pytest.mark.parametrize("tier,qtype", [("plain", "Q4_1"), ("fast", "Q4_1"), ("fast", "Q8_0")])
+@pytest.mark.parametrize("tier,qtype", [("plain", "Q4_1"), pytest.param("fast", "Q4_1", marks=pytest.mark.fast_twin),
+                                         pytest.param("fast", "Q8_0", marks=pytest.mark.fast_twin)])
 def test_an_expert_reads_the_same_bits_from_its_slot_as_from_the_host_copy(tier, qtype):
     """All on the host (the fast kernels: each miss staged through shared memory, and read
     in place), then experts 0 and 3 in slots: the kernels' outputs are the same bits (the
@@ -318,6 +323,7 @@ def test_expert_down_matches_the_reference(qtype, n_slots):
     assert_within(got, want, down_tolerance(h, chosen, weights, lambda e: f_host[AT + e], want))
 
 
+@pytest.mark.fast_twin
 @pytest.mark.parametrize("qtype,n_slots,stage", [("Q4_1", 2, True), ("Q4_1", 2, False), ("F16", 0, True)])
 def test_the_fast_down_equals_the_plain_one(qtype, n_slots, stage):
     """Some choices miss: a block whose token chose one stages its rows of every chosen
@@ -335,6 +341,7 @@ def test_the_fast_down_equals_the_plain_one(qtype, n_slots, stage):
     assert_within(got, want, down_tolerance(h, chosen, weights, lambda e: f_host[AT + e], want))
 
 
+@pytest.mark.fast_twin
 @pytest.mark.parametrize("warps", [1, 2])
 def test_the_fast_down_kernel_walks_its_terms_across_experts_and_trips(warps):
     """D = 10 outputs (the last thread block has 2 of its 4 rows) and F = 256 (32 parts an

@@ -9,7 +9,7 @@ from strata_nb.kernels.kv.kv_append_q4 import kv_append_q4, kv_append_q4_ref
 from strata_nb.kernels.kv.kv_append_q8 import kv_append_q8, kv_append_q8_ref
 from strata_nb.kv_layout import BLOCK, pool_arrays
 
-N_KV, HEAD_DIM = 3, 64
+N_KV, HEAD_DIM = 2, 64  # two KV heads: a head's bytes in the other's place show
 N_BLOCKS, N_SLOTS = 5, 3
 PAGE_TABLE = np.array([1, -1, 0, -1, 2], np.int32)  # blocks 1 and 3 are not resident
 

@@ -13,7 +13,7 @@ from strata_nb.kv_layout import BLOCK, pool_arrays
 # reference and the negative control (the #1188 class: an unfolded V half loses the host
 # copy of V); the slow tier adds the device-pool, key-sketch and absent-host cases.
 
-N_KV, HEAD_DIM = 3, 64
+N_KV, HEAD_DIM = 2, 64  # two KV heads: a head's bytes in the other's place show
 N_BLOCKS, N_SLOTS = 4, 2
 PAGE_TABLE = np.array([0, -1, 1, -1], np.int32)  # blocks 1 and 3 are streamed out
 WINDOWS = [(12, 8), (30, 3), (47, 1), (50, 6)]  # straddling, and landing in every block

@@ -104,6 +104,7 @@ def test_quad_reductions_give_each_group_its_own():
     assert np.array_equal(maxes, np.repeat(groups.max(axis=1), 4))
 
 
+@pytest.mark.fast_twin
 @pytest.mark.parametrize("qtype, n, shape", MATMUL_CASES)
 def test_the_tensor_core_matmul_matches_the_reference(qtype, n, shape):
     """Every weight type, tiles of W and of x cut short (64 x 64 on a GPU, 32 x 32 under the
@@ -114,6 +115,7 @@ def test_the_tensor_core_matmul_matches_the_reference(qtype, n, shape):
     check_product(matmul_mma, qtype, n, shape, matmul)
 
 
+@pytest.mark.fast_twin
 def test_split_sums_have_the_unsplit_bits():
     """`in` cut into segments (160 values: 2 of 64 and a short one of 32), each on its own
     thread block and added up by sum_segments_kernel, gives the bits of one thread block
@@ -140,6 +142,7 @@ def test_split_sums_have_the_unsplit_bits():
         matmul_mma(x, raw, qtype, split, splits=2)
 
 
+@pytest.mark.fast_twin
 @pytest.mark.skipif(ON_GPU, reason="the GPU's tensor cores cannot be handed a wrong table")
 def test_a_wrong_fragment_table_is_caught(monkeypatch):
     """Negative control: B's places read transposed (row t, column g taken as row g,
@@ -156,6 +159,7 @@ def test_a_wrong_fragment_table_is_caught(monkeypatch):
     assert not within(got, want, dot_tolerance(x, dequantize(raw, qtype)))
 
 
+@pytest.mark.fast_twin
 @pytest.mark.parametrize("fmt, form", [("fp16", all_blocks_upto),
                                        pytest.param("k8v4", shared_blocks_upto, marks=pytest.mark.slow)])
 def test_the_tensor_core_prompt_kernel_matches_the_reference(fmt, form):
@@ -174,6 +178,7 @@ def test_the_tensor_core_prompt_kernel_matches_the_reference(fmt, form):
     np.testing.assert_allclose(got, want, atol=ATOL, rtol=RTOL)
 
 
+@pytest.mark.fast_twin
 def test_rows_alone_on_tensor_cores(monkeypatch):
     """A query's bits do not depend on its chunk (attention_prefill.attention_prompt's
     rows_alone): 86..90 alone and as the last 5 of 78..90, splits of 4 blocks from block 0."""
@@ -189,6 +194,7 @@ def test_rows_alone_on_tensor_cores(monkeypatch):
     np.testing.assert_array_equal(chunk, five)
 
 
+@pytest.mark.fast_twin
 def test_which_prompt_kernel_runs(monkeypatch):
     """tensor_core.enabled() picks the tensor-core kernel where it is built; elsewhere the
     plain one runs, and asking for it outright is an error that says why."""

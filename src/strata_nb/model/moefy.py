@@ -103,12 +103,14 @@ def _write(model: GGUFModel, dst: Path, kind: str, experts: int, used: int, rout
                                                                             experts), t.tensor_type))
     for name, data, qtype in tensors:
         w.add_tensor_info(name, data.shape, data.dtype, data.nbytes, raw_dtype=qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
-    for _, data, _ in tensors:
-        w.write_tensor_data(np.ascontiguousarray(data))
-    w.close()
+    try:
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        for _, data, _ in tensors:
+            w.write_tensor_data(np.ascontiguousarray(data))
+    finally:
+        w.close()  # a write that failed closes the file too, before moefy removes it
 
 
 def _check(kind: str, experts: int, used: int | None, router: str | None, seed: int, d_ff: int, qtype: str):
