@@ -13,7 +13,7 @@ from strata_nb.kernels.kv.kv_append_q8 import kv_append_q8_ref
 from strata_nb.kv_layout import BLOCK, pool_arrays
 from strata_nb.kv_layout import all_blocks_upto
 
-# The simulator runs every CUDA thread as a Python thread: 6 query heads on 3 KV heads
+# The simulator runs every CUDA thread as a Python thread: 4 query heads on 2 KV heads
 # there (still GQA), the default model's 9 on 3 on a GPU.
 N_HEADS, N_KV = (4, 2) if config.ENABLE_CUDASIM else (9, 3)
 HEAD_DIM = 64
