@@ -136,7 +136,9 @@ def guessed_seconds(item) -> int:
     """A test's time under the simulator, roughly, from its marks: only the order matters."""
     if item.get_closest_marker("sim_engine") or item.get_closest_marker("slow"):
         return 60
-    return 8 if item.get_closest_marker("fast_twin") else 1
+    if item.get_closest_marker("fast_twin"):
+        return 8
+    return 5 if item.get_closest_marker("model") else 1  # the default model on the numpy backend
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -39,7 +39,7 @@ def params():
         yield pytest.param(name, id=name, marks=[pytest.mark.model] if needs_model else [])
 
 
-@pytest.mark.parametrize("name", params())
+@pytest.mark.parametrize("name", list(params()))
 def test_example_runs(name, request):
     assert name in EXAMPLES, f"examples/{name} is new: add it to EXAMPLES in {Path(__file__).name}"
     args, expected, needs_model = EXAMPLES[name]
