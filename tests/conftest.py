@@ -17,6 +17,12 @@ import os
 import sys
 from pathlib import Path
 
+if "PYTEST_XDIST_WORKER" in os.environ:
+    # A process per core (pytest-xdist): NumPy's BLAS threads would make every worker's
+    # matrix products fight for the same cores (its threads spin while they wait). One each.
+    for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(var, "1")
+
 ON_GPU = os.environ.get("STRATA_NB_GPU") == "1"
 ALL_TIERS = os.environ.get("STRATA_NB_TESTS") == "all"
 if ON_GPU:
