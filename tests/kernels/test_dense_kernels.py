@@ -52,8 +52,20 @@ N_ROWS = 67 if ON_GPU else 3  # activation rows for the elementwise kernels
 D = 576 if ON_GPU else 100  # hidden size: 100 is not a multiple of the warp
 
 
+# Where a K-quant keeps its fp16 d (and dmin) in its super-block: gguf-py cannot quantize
+# to them, so their rows are random bytes with these fields made small and finite.
+K_QUANT_F16 = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
 def quantized(rng, qtype, shape, scale=0.1):
     """Random weights in GGUF form: (out, bytes_per_row) uint8 rows."""
+    if qtype in K_QUANT_F16:
+        from strata_nb.model.dequant import BLOCK_BYTES, QK_K
+
+        raw = rng.integers(0, 256, (shape[0], shape[1] // QK_K, BLOCK_BYTES[qtype]), dtype=np.uint8)
+        for at in K_QUANT_F16[qtype]:
+            raw[..., at:at + 2] = (rng.uniform(0.5, 1, raw.shape[:2] + (1,)) * scale / 16).astype(np.float16).view(np.uint8)
+        return raw.reshape(shape[0], -1)
     w = (rng.standard_normal(shape) * scale).astype(np.float32)
     if qtype == "F32":
         return w.view(np.uint8)
@@ -119,6 +131,35 @@ def check_product(launcher, qtype, n, shape, ref=matvec_ref):
 @pytest.mark.parametrize("qtype, n", MATVEC_CASES)
 def test_matvec_matches_ref(qtype, n, shape):
     check_product(matvec, qtype, n, shape)
+
+
+# Q5_0 (rows of any multiple of 32) and the K-quants (of 256), which the plain kernels
+# read through gguf_rows.py's parts: 9 rows of W under the simulator, 2 super-blocks wide.
+@pytest.mark.parametrize("qtype, shape", [("Q5_0", (9, 96)), ("Q4_K", (9, 512)), ("Q5_K", (9, 512)),
+                                          ("Q6_K", (9, 512))] if not ON_GPU else
+                         [(q, (1536, 1536)) for q in ("Q5_0", "Q4_K", "Q5_K", "Q6_K")])
+def test_the_plain_matvec_reads_q5_0_and_the_k_quants(qtype, shape):
+    check_product(matvec, qtype, 1, shape)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_the_plain_matmul_reads_the_k_quants(qtype):
+    check_product(matmul, qtype, 5, (1000, 1536) if ON_GPU else (9, 512), matmul_ref)
+
+
+@pytest.mark.parametrize("qtype", ["Q5_0", "Q4_K", "Q5_K", "Q6_K"])
+def test_the_plain_embed_dequantizes_q5_0_and_the_k_quants_bit_for_bit(qtype):
+    """A token's row, dequantized on the device, is the reference's to the bit: the
+    K-quants' sub-block scale and its product with a code are exact in float32."""
+    rng = np.random.default_rng(6)
+    rows, d = (20, 96 if qtype == "Q5_0" else 512) if not ON_GPU else (4096, 1536)
+    table = quantized(rng, qtype, (rows, d), scale=0.5)
+    ids = rng.integers(0, rows, 6).astype(np.int32)
+    want, got = np.zeros((len(ids), d), np.float32), np.full((len(ids), d), np.nan, np.float32)
+    embed_ref(table, ids, want, qtype)
+    embed(table, ids, got, qtype)
+    assert got.tobytes() == want.tobytes()
+    assert want.tobytes() == dequantize(table, qtype)[ids].tobytes()
 
 
 @pytest.mark.parametrize("launch", [matvec, fast_matvec.matvec])

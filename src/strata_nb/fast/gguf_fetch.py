@@ -124,6 +124,7 @@ def make_part(fetch, decode, name: str):
 
 
 # gguf_rows.QTYPES with each dequantizer made from its two steps: what the fast dense
-# kernels dequantize with
+# kernels dequantize with (the types with both steps written; Q5_0 and the K-quants are
+# the plain tier's alone so far)
 QTYPES = {qtype: (make_part(*STEPS[qtype], f"part_{qtype.lower()}"), view_a, view_b, nibbles)
-          for qtype, (_, view_a, view_b, nibbles) in gguf_rows.QTYPES.items()}
+          for qtype, (_, view_a, view_b, nibbles) in gguf_rows.QTYPES.items() if qtype in STEPS}
