@@ -3,6 +3,7 @@ import gguf
 import numpy as np
 import pytest
 
+from conftest import ON_GPU
 from strata_nb.model.dequant import dequantize
 
 T = gguf.GGMLQuantizationType
@@ -64,14 +65,52 @@ def test_the_k_quants_and_q5_0_match_gguf(qtype, rows, blocks):
     assert ours.tobytes() == theirs.tobytes()
 
 
-def test_a_k_quant_file_is_refused_when_opened(tmp_path):
-    """The references are here, the kernels are not: a tensor of a K-quant type names
-    itself and the types the engine reads."""
-    from strata_nb.errors import StrataError
-    from strata_nb.model.gguf_file import GGUFModel
+@pytest.fixture(scope="module")
+def k_quant_model(tmp_path_factory):
+    """A 1-layer random model with every matrix Q4_K (d 256: rows of whole super-blocks)."""
     from strata_nb.model.synthetic import write_synthetic_gguf
 
-    raw = random_blocks(np.random.default_rng(0), "Q4_K", 2, 1)
-    path = write_synthetic_gguf(tmp_path / "k.gguf", n_layers=1, extra_tensor=("extra.weight", raw, T.Q4_K))
-    with pytest.raises(StrataError, match="Q4_K.*supported: F32, F16, Q4_0, Q4_1, Q8_0"):
-        GGUFModel(str(path))
+    return str(write_synthetic_gguf(tmp_path_factory.mktemp("k_quant") / "q4_k.gguf", n_layers=1, d_model=256,
+                                    d_ff=256, n_heads=4, n_kv_heads=2, head_dim=64, qtype="Q4_K"))
+
+
+def test_a_k_quant_model_answers_on_the_cpu(k_quant_model, capsys):
+    from cli_runner import run_cli
+
+    code, out, err = run_cli(["run", "--model", k_quant_model, "--device", "cpu", "--raw", "--max-tokens", "4",
+                              "hi"], capsys)
+    assert code == 0 and out.strip(), err
+
+
+def test_the_fast_tier_names_the_tier_that_reads_a_k_quant(k_quant_model):
+    from strata_nb import Engine
+    from strata_nb.errors import StrataError
+
+    with pytest.raises(StrataError, match=r"is Q4_K; the cuda backend's fast kernels read Q4_0, Q4_1, Q8_0, F16, "
+                                          r"F32 \(--kernels plain reads it\)"):
+        Engine.load(model=k_quant_model, device="cuda", kernels="fast", max_context=64)
+
+
+@pytest.mark.sim_engine
+@pytest.mark.parametrize("qtype", ["Q4_K"] if not ON_GPU else ["Q5_0", "Q4_K", "Q5_K", "Q6_K"])
+def test_the_plain_tier_runs_a_k_quant_model_as_the_numpy_backend_does(qtype, tmp_path):
+    """Prefill and decode steps on the plain tier's kernels (gguf_rows.py's K-quant parts)
+    give the numpy backend's logits (1e-3 of the largest, as the cuda backend's forward
+    test) and its greedy picks: 2 prompt tokens and 1 step under the simulator (minutes),
+    8 and 16 on a GPU."""
+    from strata_nb import Engine
+    from strata_nb.model.synthetic import write_synthetic_gguf
+
+    path = str(write_synthetic_gguf(tmp_path / f"{qtype}.gguf", n_layers=1, d_model=256, d_ff=256, n_heads=4,
+                                    n_kv_heads=2, head_dim=64, qtype=qtype))
+    prompt, steps = ([5, 6], 1) if not ON_GPU else (list(range(5, 13)), 16)
+    runs = []
+    for device in ("cpu", "cuda"):
+        eng = Engine.load(model=path, device=device, kernels="plain", max_context=64)
+        logits = [eng.prefill(prompt)]
+        for pos in range(len(prompt), len(prompt) + steps):
+            logits.append(eng.decode_one_token(int(np.argmax(logits[-1])), pos))
+        runs.append(np.stack(logits))
+    want, got = runs
+    assert (np.abs(got - want) <= 1e-3 * np.abs(want).max(axis=1, keepdims=True)).all()
+    assert (got.argmax(1) == want.argmax(1)).all()

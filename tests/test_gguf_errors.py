@@ -53,10 +53,10 @@ def test_unsupported_architecture(tmp_path):
 
 
 def test_unsupported_tensor_type(tmp_path):
-    q5k = np.zeros((4, 176), np.uint8)  # 4 rows of one 256-value Q5_K super-block each
+    q3k = np.zeros((4, 110), np.uint8)  # 4 rows of one 256-value Q3_K super-block each
     p = write_synthetic_gguf(tmp_path / "m.gguf", n_layers=1,
-                             extra_tensor=("blk.0.extra.weight", q5k, gguf.GGMLQuantizationType.Q5_K))
-    with pytest.raises(StrataError, match="Q5_K"):
+                             extra_tensor=("blk.0.extra.weight", q3k, gguf.GGMLQuantizationType.Q3_K))
+    with pytest.raises(StrataError, match="Q3_K.*supported: F32, F16, Q4_0, Q4_1, Q8_0, Q5_0, Q4_K, Q5_K, Q6_K"):
         GGUFModel(p)
 
 

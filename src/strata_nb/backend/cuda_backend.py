@@ -50,6 +50,7 @@ class DeviceMatrix:
 class CudaBackend(ComposedOps):
     name = "cuda"
     kernels = "plain"  # --kernels: which tier's kernels run each op
+    qtypes = gguf_rows.QTYPES  # the weight types its kernels dequantize
     # Prompt tokens per forward pass unless --prefill-chunk says otherwise
     prefill_chunk = 2048
     device = "cuda"
@@ -187,8 +188,10 @@ class CudaBackend(ComposedOps):
             raise StrataError("tensors fused into one matrix must share a type: "
                               + ", ".join(f"{t.name} is {t.qtype}" for t in qtensors))
         qtype = qtypes.pop()
-        if qtype not in gguf_rows.QTYPES:
-            raise StrataError(f"{qtensors[0].name} is {qtype}; the cuda backend reads {', '.join(gguf_rows.QTYPES)}")
+        if qtype not in self.qtypes:
+            plain = " (--kernels plain reads it)" if qtype in gguf_rows.QTYPES else ""
+            raise StrataError(f"{qtensors[0].name} is {qtype}; the cuda backend's {self.kernels} kernels read "
+                              f"{', '.join(self.qtypes)}{plain}")
         raw = np.concatenate([np.ascontiguousarray(t.raw) for t in qtensors], axis=0)
         return DeviceMatrix(qtype, (raw.shape[0], gguf_rows.row_values(qtype, raw.shape[1])), cuda.to_device(raw))
 

@@ -19,7 +19,7 @@ from numba import cuda
 from ..backend.cuda_backend import CudaBackend, DeviceMatrix
 from ..errors import StrataError
 from ..kernels.dense.matvec import MAX_ROWS
-from . import matmul_mma, matmul_tiled
+from . import gguf_fetch, matmul_mma, matmul_tiled
 from .expert_down import expert_down
 from .expert_gate_up import expert_gate_up
 from .fetch_misses import fetch_misses
@@ -37,6 +37,7 @@ def _rows(matrix: DeviceMatrix | None):
 
 class FastCudaBackend(CudaBackend):
     kernels = "fast"
+    qtypes = gguf_fetch.QTYPES  # the types with two-step dequantizers; the plain tier reads the rest
     _mma: bool | None = None  # prompt matmuls on tensor cores: _tensor_cores() asks once
 
     def __init__(self):

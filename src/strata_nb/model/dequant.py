@@ -32,8 +32,6 @@ nibbles for 2c, the high for 2c + 1; sc_j and m_j are 6-bit, packed in 12 bytes
 (`scale_min_k4`). Q6_K: two halves of 128 weights; in half h, sub-block r (0..3) takes
 the low (r < 2) or high nibble of ql[64h + 32(r % 2) + i] and bits 2r, 2r + 1 of
 qh[32h + i] as its top two bits; its scales are signed bytes, one per 16 weights.
-The engine reads the K-quants' references only in tests so far: their kernels are not
-built, and a file that holds such tensors is refused when it is opened (gguf_file.py).
 """
 from __future__ import annotations
 
@@ -42,8 +40,9 @@ import numpy as np
 QK = 32  # weights per quantization block
 QK_K = 256  # weights per K-quant super-block: 8 sub-blocks of QK
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q5_0": 22, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
-SUPPORTED = ("F32", "F16", "Q4_0", "Q4_1", "Q8_0")  # what the engine's kernels read
-REFERENCE_ONLY = ("Q5_0", "Q4_K", "Q5_K", "Q6_K")  # references below, kernels not yet
+# What the engine loads: the numpy backend and the plain tier read them all; the fast
+# tier the first five (fast/gguf_fetch.py), and it says so for the rest.
+SUPPORTED = ("F32", "F16", "Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q4_K", "Q5_K", "Q6_K")
 
 
 def _blocks(raw: np.ndarray, qtype: str) -> np.ndarray:

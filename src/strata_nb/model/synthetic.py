@@ -56,9 +56,12 @@ def write_synthetic_gguf(path: str | Path, *, n_layers: int = 2, d_model: int = 
     w.add_chat_template(CHATML)
 
     def matrix(name, rows, cols, q=qtype, scale=0.08):
-        a = (rng.standard_normal((rows, cols)) * scale).astype(np.float32)
         t = getattr(gguf.GGMLQuantizationType, q)
-        data = a if q == "F32" else gguf.quants.quantize(a, t)
+        if q in K_QUANT_F16:  # gguf-py cannot quantize to these: random codes, scales sized to `scale`
+            data = random_k_quant_rows(rng, q, rows, cols, scale)
+        else:
+            a = (rng.standard_normal((rows, cols)) * scale).astype(np.float32)
+            data = a if q == "F32" else gguf.quants.quantize(a, t)
         w.add_tensor(name, data, raw_dtype=t)
 
     def norm(name, n):
@@ -86,6 +89,23 @@ def write_synthetic_gguf(path: str | Path, *, n_layers: int = 2, d_model: int = 
     w.write_tensors_to_file()
     w.close()
     return Path(path)
+
+
+# Where each K-quant keeps its fp16 d (and dmin) in its super-block of 256 values.
+K_QUANT_F16 = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def random_k_quant_rows(rng: np.random.Generator, qtype: str, rows: int, cols: int, scale: float) -> np.ndarray:
+    """(rows, bytes_per_row) uint8: random codes, scales and mins in every super-block, its
+    fp16 d (and dmin) chosen so the weights spread about `scale` (cols a multiple of 256)."""
+    from .dequant import BLOCK_BYTES, QK_K
+
+    assert cols % QK_K == 0, f"a {qtype} row is whole super-blocks of {QK_K}, not {cols}"
+    raw = rng.integers(0, 256, (rows, cols // QK_K, BLOCK_BYTES[qtype]), dtype=np.uint8)
+    step = scale / (300 if qtype != "Q6_K" else 1000)  # a code times a 6- or 8-bit scale is up to ~1,000 steps
+    for at in K_QUANT_F16[qtype]:
+        raw[..., at:at + 2] = np.full(raw.shape[:2] + (1,), step, np.float16).view(np.uint8)
+    return raw.reshape(rows, -1)
 
 
 # The default model's shapes (SmolLM2-135M): what decides a benchmark's speed.
