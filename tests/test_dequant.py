@@ -5,6 +5,7 @@ import pytest
 
 from conftest import ON_GPU
 from strata_nb.model.dequant import dequantize
+from strata_nb.model.synthetic import K_QUANT_F16
 
 T = gguf.GGMLQuantizationType
 
@@ -41,7 +42,7 @@ def test_dequant_default_model_tensors(default_model_path):
 
 
 # Where each K-quant keeps its fp16 fields (d, and dmin) in its super-block, and Q5_0's d.
-F16_FIELDS = {"Q5_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+F16_FIELDS = {"Q5_0": (0,)} | K_QUANT_F16
 
 
 def random_blocks(rng, qtype, rows, blocks):

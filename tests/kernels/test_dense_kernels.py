@@ -29,6 +29,7 @@ from strata_nb.kernels.dense.rope import rope_qkv, rope_qkv_ref
 from strata_nb.kernels.dense.swiglu import ATOL as SWIGLU_ATOL, RTOL as SWIGLU_RTOL, swiglu, swiglu_ref
 from strata_nb.kernels.step.argmax import SPAN as ARGMAX_SPAN, THREADS as ARGMAX_THREADS, argmax, argmax_ref
 from strata_nb.model.dequant import dequantize
+from strata_nb.model.synthetic import K_QUANT_F16, random_k_quant_rows
 
 QTYPES = ["Q4_0", "Q4_1", "Q8_0", "F32", "F16"]
 # (out, in) of W: the default model's FFN and output head on a GPU; under the simulator
@@ -52,20 +53,11 @@ N_ROWS = 67 if ON_GPU else 3  # activation rows for the elementwise kernels
 D = 576 if ON_GPU else 100  # hidden size: 100 is not a multiple of the warp
 
 
-# Where a K-quant keeps its fp16 d (and dmin) in its super-block: gguf-py cannot quantize
-# to them, so their rows are random bytes with these fields made small and finite.
-K_QUANT_F16 = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
-
-
 def quantized(rng, qtype, shape, scale=0.1):
-    """Random weights in GGUF form: (out, bytes_per_row) uint8 rows."""
+    """Random weights in GGUF form: (out, bytes_per_row) uint8 rows (the K-quants' random
+    codes and scales: gguf-py cannot quantize to them)."""
     if qtype in K_QUANT_F16:
-        from strata_nb.model.dequant import BLOCK_BYTES, QK_K
-
-        raw = rng.integers(0, 256, (shape[0], shape[1] // QK_K, BLOCK_BYTES[qtype]), dtype=np.uint8)
-        for at in K_QUANT_F16[qtype]:
-            raw[..., at:at + 2] = (rng.uniform(0.5, 1, raw.shape[:2] + (1,)) * scale / 16).astype(np.float16).view(np.uint8)
-        return raw.reshape(shape[0], -1)
+        return random_k_quant_rows(rng, qtype, shape[0], shape[1], scale)
     w = (rng.standard_normal(shape) * scale).astype(np.float32)
     if qtype == "F32":
         return w.view(np.uint8)
