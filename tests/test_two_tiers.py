@@ -84,7 +84,7 @@ def moe_file(tmp_path_factory):
 def test_an_moe_file_with_speculation_decodes_the_same_tokens_in_both_tiers(moe_file):
     """--spec 4 on an MoE file, half its experts in VRAM slots (the rest read from the
     host copy): the verify window's passes and the experts on plain and fast kernels."""
-    n = TOKENS if ON_GPU else 6
+    n = TOKENS if ON_GPU else 4
     settings = dict(kv="k8v4", spec=4, expert_cache=2, adapt_every=1)
     runs = {tier: greedy(moe_file, *tier, n, **settings) for tier in TIERS}
     assert runs[("cuda", "plain")] == runs[("cpu", "fast")] == runs[("cuda", "fast")]
