@@ -61,8 +61,8 @@ def _thread_safe_shared_arrays():
             return original(self, shape, dtype, alignment)
         if isinstance(dtype, types.Type):
             dtype = numpy_support.as_dtype(dtype)
-        frame = sys._getframe(1)  # the kernel's line that asks; traceback.extract_stack would read every
-        caller = (frame.f_code.co_filename, frame.f_lineno)  # frame's source for the same two fields
+        frame = sys._getframe(1)  # the kernel's line that asks (the simulator's own lookup
+        caller = (frame.f_code.co_filename, frame.f_lineno)  # reads every frame's source for these two)
         with lock:
             if caller not in self._allocations:
                 self._allocations[caller] = np.empty(shape, dtype)
@@ -176,9 +176,10 @@ if not ON_GPU:
 # records its own launches. A worker leaves them in a folder the run's workers share,
 # <worker>.json, after every test that added one, and <worker>.done when it has no test
 # left; the sm_90 check compiles what the others have left so far while it waits for
-# every other worker's .done, then the rest (launches_so_far). Its file runs on one worker, after the rest (`--dist loadfile`, and
-# the file is marked `last`); a worker waiting in it says <worker>.waiting, which counts
-# as done, so two workers that each got a share of it cannot wait for each other.
+# every other worker's .done, then the rest (launches_so_far). Its file runs on one
+# worker, after the rest (`--dist loadfile`, and the file is marked `last`); a worker
+# waiting in it says <worker>.waiting, which counts as done, so two workers that each got
+# a share of it cannot wait for each other.
 SHARED: dict = {}  # "folder": the run's shared folder, "worker": this worker's id, "written": pairs last written
 
 

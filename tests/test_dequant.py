@@ -4,8 +4,7 @@ import numpy as np
 import pytest
 
 from conftest import ON_GPU
-from strata_nb.model.dequant import dequantize
-from strata_nb.model.synthetic import K_QUANT_F16
+from strata_nb.model.dequant import K_QUANT_F16, dequantize
 
 T = gguf.GGMLQuantizationType
 

@@ -28,8 +28,8 @@ from strata_nb.kernels.dense.rmsnorm import rmsnorm, rmsnorm_ref, rmsnorm_tolera
 from strata_nb.kernels.dense.rope import rope_qkv, rope_qkv_ref
 from strata_nb.kernels.dense.swiglu import ATOL as SWIGLU_ATOL, RTOL as SWIGLU_RTOL, swiglu, swiglu_ref
 from strata_nb.kernels.step.argmax import SPAN as ARGMAX_SPAN, THREADS as ARGMAX_THREADS, argmax, argmax_ref
-from strata_nb.model.dequant import dequantize
-from strata_nb.model.synthetic import K_QUANT_F16, random_k_quant_rows
+from strata_nb.model.dequant import K_QUANT_F16, dequantize
+from strata_nb.model.synthetic import random_k_quant_rows
 
 QTYPES = ["Q4_0", "Q4_1", "Q8_0", "F32", "F16"]
 # (out, in) of W: the default model's FFN and output head on a GPU; under the simulator

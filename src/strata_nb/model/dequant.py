@@ -19,7 +19,7 @@ bit_j - 16) * d.
 The K-quants pack 256 weights in a *super-block*, cut into 8 sub-blocks of 32 that
 each have their own scale (and min): a 6-bit integer times the super-block's fp16 d
 (and dmin). A sub-block of 32 is the unit the references below work in, as the
-kernels will.
+kernels do (kernels/dense/gguf_rows.py).
 
 | type | bytes | layout                                            | value of weight i of sub-block j |
 | ---- | ----- | ------------------------------------------------- | -------------------------------- |
@@ -40,6 +40,8 @@ import numpy as np
 QK = 32  # weights per quantization block
 QK_K = 256  # weights per K-quant super-block: 8 sub-blocks of QK
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q5_0": 22, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+# where each K-quant's super-block keeps its fp16 d (and dmin)
+K_QUANT_F16 = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 # What the engine loads: the numpy backend and the plain tier read them all; the fast
 # tier the first five (fast/gguf_fetch.py), and it says so for the rest.
 SUPPORTED = ("F32", "F16", "Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q4_K", "Q5_K", "Q6_K")

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from ..text.tokenizer import _byte_decoder
+from .dequant import BLOCK_BYTES, K_QUANT_F16, QK_K
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content']"
@@ -91,15 +92,9 @@ def write_synthetic_gguf(path: str | Path, *, n_layers: int = 2, d_model: int = 
     return Path(path)
 
 
-# Where each K-quant keeps its fp16 d (and dmin) in its super-block of 256 values.
-K_QUANT_F16 = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
-
-
 def random_k_quant_rows(rng: np.random.Generator, qtype: str, rows: int, cols: int, scale: float) -> np.ndarray:
     """(rows, bytes_per_row) uint8: random codes, scales and mins in every super-block, its
     fp16 d (and dmin) chosen so the weights spread about `scale` (cols a multiple of 256)."""
-    from .dequant import BLOCK_BYTES, QK_K
-
     assert cols % QK_K == 0, f"a {qtype} row is whole super-blocks of {QK_K}, not {cols}"
     raw = rng.integers(0, 256, (rows, cols // QK_K, BLOCK_BYTES[qtype]), dtype=np.uint8)
     step = scale / (300 if qtype != "Q6_K" else 1000)  # a code times a 6- or 8-bit scale is up to ~1,000 steps

@@ -140,13 +140,19 @@ def scale_min_k4(a, row, at, j):
 
 
 @cuda.jit(device=True)
+def scale_and_low(a, b, row, sb, j, words):
+    """Sub-block j's float32 scale (d * sc) and low (dmin * m), in super-block sb of a row
+    of `words` uint32 words a super-block (d and dmin first, then the 12 scale bytes)."""
+    sc, m = scale_min_k4(a, row, words * sb + 1, j)
+    return float32(b[row, 2 * words * sb]) * float32(sc), float32(b[row, 2 * words * sb + 1]) * float32(m)
+
+
+@cuda.jit(device=True)
 def part_q4_k(a,    # (rows, in/256 * 36) uint32; a super-block = (d, dmin), 3 words of scales, 32 of codes
               b,    # (rows, in/256 * 72) float16: the same bytes
               row, blk, p, w):
     sb, j = blk // 8, blk % 8
-    sc, m = scale_min_k4(a, row, 36 * sb + 1, j)
-    scale = float32(b[row, 72 * sb]) * float32(sc)
-    low = float32(b[row, 72 * sb + 1]) * float32(m)
+    scale, low = scale_and_low(a, b, row, sb, j, 36)
     for h in range(2):
         word = a[row, 36 * sb + 4 + 8 * (j // 2) + 2 * p + h]  # code bytes 8p + 4h .. 8p + 4h + 3
         for i in range(4):
@@ -158,9 +164,7 @@ def part_q5_k(a,    # (rows, in/256 * 44) uint32: Q4_K's fields, with 8 words of
               b,    # (rows, in/256 * 88) float16: the same bytes
               row, blk, p, w):
     sb, j = blk // 8, blk % 8
-    sc, m = scale_min_k4(a, row, 44 * sb + 1, j)
-    scale = float32(b[row, 88 * sb]) * float32(sc)
-    low = float32(b[row, 88 * sb + 1]) * float32(m)
+    scale, low = scale_and_low(a, b, row, sb, j, 44)
     for h in range(2):
         word = a[row, 44 * sb + 12 + 8 * (j // 2) + 2 * p + h]
         fifths = a[row, 44 * sb + 4 + 2 * p + h]  # bit j of byte i: value i's fifth bit
