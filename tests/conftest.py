@@ -35,8 +35,11 @@ if not ON_GPU:
     sys.setswitchinterval(1e-4)
     # Its barriers wake the waiting threads instead of polling them (tests/sim_barriers.py).
     import sim_barriers
+    import sim_device_calls
 
-    sim_barriers.install()
+    if sim_barriers.install():  # the simulator these were written against
+        sim_device_calls.install()
+        sim_device_calls.install_casts()
 
 import pytest  # noqa: E402
 

@@ -34,17 +34,18 @@ MODES = {"resident": {}, "streamed": dict(kv_resident=80, kv_window=16, qsa_budg
 TIERS = (("cpu", "fast"), ("cuda", "plain"), ("cuda", "fast"))  # numpy (the references), plain, fast
 
 
-def greedy(path: str, device: str, kernels: str, n: int, **settings) -> list[int]:
+def greedy(path: str, device: str, kernels: str, n: int, prompt=PROMPT, stats=None, **settings) -> list[int]:
     """The engine's own greedy loop: the prefill's pick, then n - 1 decode steps (on the
-    device step where the tier has one), or speculation with --spec."""
+    device step where the tier has one), or speculation with --spec (its counts into stats)."""
     s = Settings(model=path, max_context=128, device=device, kernels=kernels, **settings)
     eng = Engine(s, GGUFModel(path), get_backend(device, kernels), quiet=True)
     assert eng.be.name == "numpy" or eng.be.kernels == kernels
-    first = int(np.argmax(eng.prefill(PROMPT)))
+    first = int(np.argmax(eng.prefill(prompt)))
     if s.spec:
-        later = eng.speculate(first, len(PROMPT), n - 1, PROMPT, dict(passes=0, drafts_offered=0, drafts_accepted=0))
+        stats = dict(passes=0, drafts_offered=0, drafts_accepted=0) if stats is None else stats
+        later = eng.speculate(first, len(prompt), n - 1, prompt, stats)
     else:
-        later = eng.tokens_after(first, len(PROMPT), n - 1, SamplingSettings(), None, eng.device_step())
+        later = eng.tokens_after(first, len(prompt), n - 1, SamplingSettings(), None, eng.device_step())
     return [first, *later]
 
 
@@ -85,9 +86,12 @@ def test_an_moe_file_with_speculation_decodes_the_same_tokens_in_both_tiers(moe_
     """--spec 4 on an MoE file, half its experts in VRAM slots (the rest read from the
     host copy): the verify window's passes and the experts on plain and fast kernels."""
     n = TOKENS if ON_GPU else 4
+    prompt = PROMPT if ON_GPU else PROMPT[:6]  # the simulator's MoE prefill: a warp per row, token and expert
     settings = dict(kv="k8v4", spec=4, expert_cache=2, adapt_every=1)
-    runs = {tier: greedy(moe_file, *tier, n, **settings) for tier in TIERS}
+    stats = {tier: dict(passes=0, drafts_offered=0, drafts_accepted=0) for tier in TIERS}
+    runs = {tier: greedy(moe_file, *tier, n, prompt, stats[tier], **settings) for tier in TIERS}
     assert runs[("cuda", "plain")] == runs[("cpu", "fast")] == runs[("cuda", "fast")]
+    assert stats[("cuda", "plain")]["drafts_accepted"] >= 1, stats  # the window kept a draft
 
 
 def test_kernels_is_checked_and_named_by_its_flag():
