@@ -40,6 +40,7 @@ if not ON_GPU:
     if sim_barriers.install():  # the simulator these were written against
         sim_device_calls.install()
         sim_device_calls.install_casts()
+        sim_device_calls.install_arrays()
 
 import pytest  # noqa: E402
 

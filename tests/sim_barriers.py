@@ -19,9 +19,12 @@ What this changes. The launching thread sleeps until every thread has returned o
 has raised. The last thread to arrive at a barrier, or the last to return while the rest
 wait, opens it: the waiting threads are woken one at a time, each by the one before, so
 few want the GIL at once. A barrier of 32 threads takes about 0.5 ms instead of 2-3.5,
-one of 256 about 8 ms instead of 15-23. The rest is the
-simulator's own code: threads made and started the same way, the same reductions, the
-failing thread's exception ("tid=[..] ctaid=[..]: ...") raised by the launch.
+one of 256 about 8 ms instead of 15-23. And the Python threads are kept: starting one
+costs about 150 us, more than many CUDA threads' work, so a thread that has played one
+CUDA thread waits in a pool to play the next (a block takes as many as it has CUDA
+threads, the pool making more when it has too few). The rest is the simulator's own
+code: the same reductions, the failing thread's exception ("tid=[..] ctaid=[..]: ...")
+raised by the launch.
 
 Installed by tests/conftest.py under the simulator, only over the kernel.py it was
 written against (a hash of its source); STRATA_NB_SIM_BARRIERS=plain leaves the
@@ -42,17 +45,38 @@ PLAIN = kernel.BlockManager  # the simulator's own
 
 
 class WokenThread(kernel.BlockThread):
-    def __init__(self, *args):
-        super().__init__(*args)
+    """A Python thread that plays one CUDA thread after another: `play` gives it the next."""
+
+    def __init__(self):
+        threading.Thread.__init__(self, daemon=True)
         self.gate = threading.Lock()  # held while this thread may not pass its barrier
         self.gate.acquire()
         self.next = None  # the thread this one wakes when it passes
+        self.given = threading.Lock()  # held until play() gives it a CUDA thread
+        self.given.acquire()
+        self.start()
+
+    def play(self, manager, target, grid_point, point):
+        """What BlockThread.__init__ sets, for this CUDA thread; then let it run."""
+        self._manager, self.debug = manager, manager._debug
+        self.blockIdx, self.threadIdx = kernel.Dim3(*grid_point), kernel.Dim3(*point)
+        x, y, _ = manager._block_dim
+        self.thread_id = point[0] + x * (point[1] + y * point[2])
+        self.exception, self.abort, self.next, self.next_given = None, False, None, None
+        self._target, self._args, self._kwargs = target, (), {}
+        if self.debug:
+            self._target = kernel_with_errors_raised(target)
 
     def run(self):
-        try:
-            super().run()  # the kernel; an exception is kept in self.exception
-        finally:
-            self._manager.returned(self)
+        while True:
+            self.given.acquire()
+            if self.next_given is not None:  # the next CUDA thread of the block starts as this one does
+                self.next_given.release()
+            kernel.BlockThread.run(self)  # the kernel; an exception is kept in self.exception
+            manager, exception = self._manager, self.exception
+            IDLE.append(self)  # before it counts as returned, so the next block finds it
+            manager.returned(exception)
+
 
     def syncthreads(self):  # syncthreads_count/and/or call it too
         block = self._manager
@@ -69,6 +93,17 @@ class WokenThread(kernel.BlockThread):
             raise RuntimeError("abort flag set on syncthreads clear")
 
 
+IDLE: list[WokenThread] = []  # the pool: threads waiting for play()
+
+
+def kernel_with_errors_raised(target):  # BlockThread's debug wrapper
+    def debug_wrapper():
+        np.seterr(divide="raise")
+        target()
+
+    return debug_wrapper
+
+
 class WokenBlockManager(PLAIN):
     def run(self, grid_point, *args):
         points = list(np.ndindex(*self._block_dim))
@@ -76,22 +111,24 @@ class WokenBlockManager(PLAIN):
         self.live = len(points)  # threads not yet returned: the ones a barrier waits for;
         # counted before any starts, so none passes a barrier early
         self.waiting = []  # threads at the barrier not yet opened, in the order they came
-        self.failed = None  # the first thread to raise
+        self.failed = None  # the first exception a thread raised, with its traceback
         self.over = threading.Event()  # set when every thread has returned, or one raised
 
         def target():
             self._f(*args)
 
-        threads = [WokenThread(target, self, grid_point, p, self._debug) for p in points]
-        for t in threads:
-            t.start()
+        threads = [IDLE.pop() if IDLE else WokenThread() for _ in points]
+        for t, p, after in zip(threads, points, threads[1:] + [None]):
+            t.play(self, target, grid_point, p)
+            t.next_given = after.given if after is not None else None
+        threads[0].given.release()
         self.over.wait()
         with self.lock:
             if self.failed is not None:
                 for t in threads:  # the others raise at their next barrier, or now if at one
                     t.abort = True
                 self.open_barrier()
-                raise self.failed.exception[0].with_traceback(self.failed.exception[1])
+                raise self.failed[0].with_traceback(self.failed[1])
 
     def open_barrier(self):  # with self.lock held
         """Wake the waiting threads one after another, each woken by the one before: woken
@@ -102,11 +139,11 @@ class WokenBlockManager(PLAIN):
         if chain:
             chain[0].gate.release()
 
-    def returned(self, thread):
+    def returned(self, exception):
         with self.lock:
             self.live -= 1
-            if thread.exception and self.failed is None:
-                self.failed = thread
+            if exception and self.failed is None:
+                self.failed = exception
                 self.over.set()
             elif self.waiting and len(self.waiting) == self.live:  # the rest wait for no one
                 self.open_barrier()

@@ -40,7 +40,10 @@ def cuda_names(globs: dict) -> list[str]:
     return names
 
 
-def install(original=kernel.FakeCUDAKernel.__call__, push=kernel._push_kernel_context) -> None:
+ORIGINAL = {"call": kernel.FakeCUDAKernel.__call__, "push": kernel._push_kernel_context}  # the simulator's own
+
+
+def install(original=ORIGINAL["call"], push=ORIGINAL["push"]) -> None:
     def call(self, *args):
         launch = kernel._kernel_context
         if not self._device or launch is None:
@@ -89,3 +92,25 @@ def install_casts() -> None:
         return original(self, *args)
 
     types.Type.__call__ = call
+
+
+def install_arrays() -> None:
+    """An array element read or written in a kernel under the simulator goes through two
+    wrappers (FakeWithinKernelCUDAArray over FakeCUDAArray over the NumPy array), four
+    Python calls; these two do it in one, with the same results (a sub-array comes back
+    wrapped twice, a scalar as NumPy's)."""
+    import numpy as np
+    from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray, FakeWithinKernelCUDAArray
+
+    def getitem(self, idx):
+        item = self._item
+        ret = item._ary[idx]
+        if type(ret) is np.ndarray or type(ret) is np.void:
+            return FakeWithinKernelCUDAArray(FakeCUDAArray(ret, stream=item.stream))
+        return ret
+
+    def setitem(self, idx, val):
+        self._item._ary[idx] = val
+
+    FakeWithinKernelCUDAArray.__getitem__ = getitem
+    FakeWithinKernelCUDAArray.__setitem__ = setitem

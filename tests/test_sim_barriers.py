@@ -1,7 +1,10 @@
-"""tests/sim_barriers.py, the simulator's barriers woken instead of polled, against the
-simulator's own: the same values through several barriers and syncthreads_count/and/or,
-threads that returned left out of later barriers, and a thread's exception failing the
-launch with the same message."""
+"""The tests' changes to the simulator, against the simulator's own. tests/sim_barriers.py
+(barriers woken instead of polled, Python threads kept in a pool): the same values through
+several barriers and syncthreads_count/and/or, threads that returned left out of later
+barriers, a thread's exception failing the launch with the same message, and a pooled
+thread's per-CUDA-thread state (gpu/reduce.py's exchange) fresh in each launch.
+tests/sim_device_calls.py (device calls, casts and array elements made cheap): the same
+values, and every module's `cuda` put back after a launch."""
 import time
 import warnings
 
@@ -15,7 +18,12 @@ if not SIMULATED:
     pytest.skip("tests the CUDA simulator's barriers", allow_module_level=True)
 
 import sim_barriers  # noqa: E402
+import sim_device_calls  # noqa: E402
+from numba import float32  # noqa: E402
 from numba.cuda.simulator import kernel as sim  # noqa: E402
+
+from strata_nb.gpu import reduce  # noqa: E402
+from strata_nb.gpu.reduce import warp_sum  # noqa: E402
 
 BLOCKS, N, ROUNDS = 3, 48, 4  # N threads a block: not a multiple of 32
 EARLY = 40  # threads from this one on return before the last two barriers
@@ -114,3 +122,35 @@ def test_another_simulator_is_left_alone(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert not sim_barriers.install()
+
+
+@cuda.jit
+def warp_sums_kernel(x, out):
+    """out[i] = the sum of x over thread i's warp, by gpu/reduce.py's warp_sum (a device
+    function of another module, trading values through a thread-local scratch; one
+    exchange, so a count carried over from another CUDA thread shows), plus a cast and a
+    slice's length (1)."""
+    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    out[i] = warp_sum(x[i]) + float32(len(x[i:i + 1]))
+
+
+def test_device_calls_from_pooled_threads_give_the_simulator_s_values(monkeypatch):
+    """Launches of 64, 48 and 2 x 64 threads in a row: in the last, the warp of threads
+    32-63 is played by threads of the pool that played a CUDA thread once (48-63) and
+    twice (32-47) before. Each value as numba-cuda's own simulator gives it, and each
+    warp's sum; reduce.py's `cuda` is numba.cuda again after each launch."""
+    monkeypatch.setattr(sim_barriers, "IDLE", [])  # a pool of its own, with no history
+    rng = np.random.default_rng(7)
+    for blocks, threads in ((1, 64), (1, 48), (2, 64)):
+        x = rng.standard_normal(blocks * threads).astype(np.float32)
+        got = np.zeros_like(x)
+        warp_sums_kernel[blocks, threads](x, got)
+        assert reduce.cuda is cuda
+    with monkeypatch.context() as plain:
+        plain.setattr(sim, "BlockManager", sim_barriers.PLAIN)
+        plain.setattr(sim.FakeCUDAKernel, "__call__", sim_device_calls.ORIGINAL["call"])
+        plain.setattr(sim, "_push_kernel_context", sim_device_calls.ORIGINAL["push"])
+        want = np.zeros_like(x)
+        warp_sums_kernel[blocks, threads](x, want)
+    assert got.tobytes() == want.tobytes()
+    np.testing.assert_allclose(got, np.repeat(x.reshape(-1, 32).sum(1), 32) + 1, rtol=1e-5, atol=1e-5)

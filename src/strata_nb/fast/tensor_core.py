@@ -174,10 +174,10 @@ else:
 
     @cuda.jit(device=True)
     def mma_f32(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
-        if not hasattr(_lanes, "scratch"):
+        if getattr(_lanes, "owner", None) is not cuda.threadIdx:  # this CUDA thread's first (gpu/reduce.py)
             with first_ask:  # one array for the block (gpu/reduce.py says why)
                 _lanes.scratch = cuda.shared.array((2, MAX_THREADS, 10), float32)
-            _lanes.count = 0
+            _lanes.count, _lanes.owner = 0, cuda.threadIdx
         t = cuda.threadIdx.x + cuda.blockDim.x * (cuda.threadIdx.y + cuda.blockDim.y * cuda.threadIdx.z)
         row = _lanes.count % 2
         _lanes.count += 1

@@ -90,8 +90,9 @@ if not SIMULATED:
         return cuda.shfl_sync(FULL_MASK, x, src)
 else:
     # Under the simulator these are plain Python, run by each simulated thread: they use
-    # NumPy on the shared array directly, and keep per-thread state in a thread-local
-    # (each simulated thread is a new Python thread, so it starts with none).
+    # NumPy on the shared array directly, and keep per-thread state in a thread-local,
+    # marked with the CUDA thread it belongs to (.owner, its threadIdx): a Python thread
+    # may play one CUDA thread after another (the tests keep their threads in a pool).
     lane_state = threading.local()  # .scratch: the block's shared array; .count: exchanges so far
     # The simulator's shared.array looks its array up in a dict and adds it when missing: two
     # threads released by one barrier can both miss and each make an array of its own, and
@@ -103,10 +104,10 @@ else:
     def exchange(x):
         """The simulator's stand-in for the shuffles: this warp's 32 values as a (32,)
         float32 array. Every thread of the block must call it."""
-        if not hasattr(lane_state, "scratch"):  # shared.array walks the Python stack each call: ask once
-            with first_ask:
+        if getattr(lane_state, "owner", None) is not cuda.threadIdx:  # this CUDA thread's first: ask once
+            with first_ask:  # (shared.array walks the Python stack each call)
                 lane_state.scratch = cuda.shared.array((2, MAX_THREADS), float32)  # two rows of one value per thread
-            lane_state.count = 0
+            lane_state.count, lane_state.owner = 0, cuda.threadIdx
         t = cuda.threadIdx.x + cuda.blockDim.x * (cuda.threadIdx.y + cuda.blockDim.y * cuda.threadIdx.z)
         # Alternate between two rows, so one barrier is enough: a lane can write row r
         # again only after the next exchange's barrier, which every lane reaches only
