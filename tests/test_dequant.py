@@ -9,7 +9,7 @@ from strata_nb.model.dequant import K_QUANT_F16, dequantize
 T = gguf.GGMLQuantizationType
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1"])
 @pytest.mark.parametrize("rows, cols", [(1, 32), (7, 96), (13, 576)])
 def test_dequant_matches_gguf(qtype, rows, cols):
     rng = np.random.default_rng(rows * cols)
@@ -40,8 +40,9 @@ def test_dequant_default_model_tensors(default_model_path):
         np.testing.assert_array_equal(dequantize(q.raw, q.qtype), theirs)
 
 
-# Where each K-quant keeps its fp16 fields (d, and dmin) in its super-block, and Q5_0's d.
-F16_FIELDS = {"Q5_0": (0,)} | K_QUANT_F16
+# Where each K-quant keeps its fp16 fields (d, and dmin) in its super-block, and Q5_0's d,
+# Q5_1's d and m.
+F16_FIELDS = {"Q5_0": (0,), "Q5_1": (0, 2)} | K_QUANT_F16
 
 
 def random_blocks(rng, qtype, rows, blocks):
@@ -56,7 +57,7 @@ def random_blocks(rng, qtype, rows, blocks):
 
 @pytest.mark.parametrize("qtype", list(F16_FIELDS))
 @pytest.mark.parametrize("rows, blocks", [(1, 1), (3, 2), (5, 3)])
-def test_the_k_quants_and_q5_0_match_gguf(qtype, rows, blocks):
+def test_the_k_quants_and_q5_match_gguf(qtype, rows, blocks):
     """gguf-py cannot quantize to the K-quants, so the bytes are random: every bit of every
     code, scale, min and high-bit field is read as gguf-py reads it, bit for bit."""
     raw = random_blocks(np.random.default_rng(rows * 10 + blocks), qtype, rows, blocks)

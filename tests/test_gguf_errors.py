@@ -30,14 +30,24 @@ def test_truncated_header(tiny_model, tmp_path):
         GGUFModel(p)
 
 
-@pytest.mark.parametrize("cut_in", ["blk.0.ffn_up.weight", "the last tensor"])
-def test_truncated_tensor_data_names_the_tensor_and_the_missing_bytes(cut_in, tiny_model, tmp_path):
-    data = Path(tiny_model).read_bytes()
-    tensors = sorted(GGUFModel(tiny_model).reader.tensors, key=lambda t: t.data_offset)
+@pytest.fixture(scope="module")
+def q4_k_model(tmp_path_factory):
+    """A K-quant file: every matrix Q4_K (256-value super-blocks of 144 bytes)."""
+    return str(write_synthetic_gguf(tmp_path_factory.mktemp("q4_k") / "q4_k.gguf", n_layers=1, d_model=256,
+                                    d_ff=256, n_heads=4, n_kv_heads=2, head_dim=64, qtype="Q4_K"))
+
+
+@pytest.mark.parametrize("file, cut_in", [("tiny_model", "blk.0.ffn_up.weight"), ("tiny_model", "the last tensor"),
+                                          ("q4_k_model", "blk.0.attn_v.weight")])
+def test_truncated_tensor_data_names_the_tensor_and_the_missing_bytes(file, cut_in, request, tmp_path):
+    model = request.getfixturevalue(file)
+    data = Path(model).read_bytes()
+    tensors = sorted(GGUFModel(model).reader.tensors, key=lambda t: t.data_offset)
     if cut_in == "the last tensor":
         name, end = tensors[-1].name, len(data) - 1
     else:
         name, end = cut_in, next(t.data_offset for t in tensors if t.name == cut_in) + 1
+        assert file == "tiny_model" or next(t.tensor_type for t in tensors if t.name == cut_in).name == "Q4_K"
     p = tmp_path / "cut.gguf"
     p.write_bytes(data[:end])
     with pytest.raises(StrataError) as err:
@@ -56,7 +66,7 @@ def test_unsupported_tensor_type(tmp_path):
     q3k = np.zeros((4, 110), np.uint8)  # 4 rows of one 256-value Q3_K super-block each
     p = write_synthetic_gguf(tmp_path / "m.gguf", n_layers=1,
                              extra_tensor=("blk.0.extra.weight", q3k, gguf.GGMLQuantizationType.Q3_K))
-    with pytest.raises(StrataError, match="Q3_K.*supported: F32, F16, Q4_0, Q4_1, Q8_0, Q5_0, Q4_K, Q5_K, Q6_K"):
+    with pytest.raises(StrataError, match="Q3_K.*supported: F32, F16, Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K"):
         GGUFModel(p)
 
 

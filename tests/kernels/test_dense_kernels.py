@@ -125,12 +125,12 @@ def test_matvec_matches_ref(qtype, n, shape):
     check_product(matvec, qtype, n, shape)
 
 
-# Q5_0 (rows of any multiple of 32) and the K-quants (of 256), which the plain kernels
-# read through gguf_rows.py's parts: 9 rows of W under the simulator, 2 super-blocks wide.
-@pytest.mark.parametrize("qtype, shape", [("Q5_0", (9, 96)), ("Q4_K", (9, 512)), ("Q5_K", (9, 512)),
-                                          ("Q6_K", (9, 512))] if not ON_GPU else
-                         [(q, (1536, 1536)) for q in ("Q5_0", "Q4_K", "Q5_K", "Q6_K")])
-def test_the_plain_matvec_reads_q5_0_and_the_k_quants(qtype, shape):
+# Q5_0 and Q5_1 (rows of any multiple of 32) and the K-quants (of 256), which the plain
+# kernels read through gguf_rows.py's parts: 9 rows of W under the simulator, 2 super-blocks wide.
+@pytest.mark.parametrize("qtype, shape", [("Q5_0", (9, 96)), ("Q5_1", (9, 96)), ("Q4_K", (9, 512)),
+                                          ("Q5_K", (9, 512)), ("Q6_K", (9, 512))] if not ON_GPU else
+                         [(q, (1536, 1536)) for q in ("Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")])
+def test_the_plain_matvec_reads_q5_and_the_k_quants(qtype, shape):
     check_product(matvec, qtype, 1, shape)
 
 
@@ -139,12 +139,12 @@ def test_the_plain_matmul_reads_the_k_quants(qtype):
     check_product(matmul, qtype, 5, (1000, 1536) if ON_GPU else (9, 512), matmul_ref)
 
 
-@pytest.mark.parametrize("qtype", ["Q5_0", "Q4_K", "Q5_K", "Q6_K"])
-def test_the_plain_embed_dequantizes_q5_0_and_the_k_quants_bit_for_bit(qtype):
+@pytest.mark.parametrize("qtype", ["Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
+def test_the_plain_embed_dequantizes_q5_and_the_k_quants_bit_for_bit(qtype):
     """A token's row, dequantized on the device, is the reference's to the bit: the
     K-quants' sub-block scale and its product with a code are exact in float32."""
     rng = np.random.default_rng(6)
-    rows, d = (20, 96 if qtype == "Q5_0" else 512) if not ON_GPU else (4096, 1536)
+    rows, d = (20, 96 if qtype in ("Q5_0", "Q5_1") else 512) if not ON_GPU else (4096, 1536)
     table = quantized(rng, qtype, (rows, d), scale=0.5)
     ids = rng.integers(0, rows, 6).astype(np.int32)
     want, got = np.zeros((len(ids), d), np.float32), np.full((len(ids), d), np.nan, np.float32)

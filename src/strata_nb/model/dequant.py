@@ -14,7 +14,8 @@ ggml block formats (32 weights a block, little-endian fp16 fields first):
 
 nibble_j is the low nibble of qs[j] for j < 16 and the high nibble of qs[j - 16] after.
 Q5_0 (22 bytes: d:f16, qh:u32, qs[16]) adds a fifth bit, bit j of qh: (nibble_j + 16 *
-bit_j - 16) * d.
+bit_j - 16) * d; Q5_1 (24 bytes: d, m:f16, qh:u32, qs[16]) adds it to Q4_1: (nibble_j +
+16 * bit_j) * d + m.
 
 The K-quants pack 256 weights in a *super-block*, cut into 8 sub-blocks of 32 that
 each have their own scale (and min): a 6-bit integer times the super-block's fp16 d
@@ -39,12 +40,12 @@ import numpy as np
 
 QK = 32  # weights per quantization block
 QK_K = 256  # weights per K-quant super-block: 8 sub-blocks of QK
-BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q5_0": 22, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q5_0": 22, "Q5_1": 24, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 # where each K-quant's super-block keeps its fp16 d (and dmin)
 K_QUANT_F16 = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 # What the engine loads: the numpy backend and the plain tier read them all; the fast
 # tier the first five (fast/gguf_fetch.py), and it says so for the rest.
-SUPPORTED = ("F32", "F16", "Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q4_K", "Q5_K", "Q6_K")
+SUPPORTED = ("F32", "F16", "Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 
 
 def _blocks(raw: np.ndarray, qtype: str) -> np.ndarray:
@@ -93,6 +94,15 @@ def dequant_q5_0_ref(raw: np.ndarray) -> np.ndarray:
     fifth = ((qh >> np.arange(QK, dtype=np.uint32)) & 1).astype(np.uint8)  # (rows, nb, 32)
     q = (_nibbles(b[..., 6:]) | (fifth << 4)).astype(np.int8) - np.int8(16)
     return (d * q.astype(np.float32)).reshape(raw.shape[0], -1)
+
+
+def dequant_q5_1_ref(raw: np.ndarray) -> np.ndarray:
+    b = _blocks(raw, "Q5_1")  # (rows, nb, 24)
+    d, m = _f16(b[..., 0:2]), _f16(b[..., 2:4])  # (rows, nb, 1) each
+    qh = np.ascontiguousarray(b[..., 4:8]).view(np.uint32)  # (rows, nb, 1): bit j is weight j's fifth
+    fifth = ((qh >> np.arange(QK, dtype=np.uint32)) & 1).astype(np.uint8)  # (rows, nb, 32)
+    q = (_nibbles(b[..., 8:]) | (fifth << 4)).astype(np.float32)
+    return (d * q + m).reshape(raw.shape[0], -1)
 
 
 # --8<-- [start:k_quant_refs]
@@ -162,5 +172,5 @@ def dequantize(raw: np.ndarray, qtype: str) -> np.ndarray:
         return raw.view(np.float32).reshape(raw.shape[0], -1)
     if qtype == "F16":
         return raw.view(np.float16).astype(np.float32).reshape(raw.shape[0], -1)
-    return {"Q4_0": dequant_q4_0_ref, "Q4_1": dequant_q4_1_ref, "Q8_0": dequant_q8_0_ref, "Q5_0": dequant_q5_0_ref,
+    return {"Q4_0": dequant_q4_0_ref, "Q4_1": dequant_q4_1_ref, "Q8_0": dequant_q8_0_ref, "Q5_0": dequant_q5_0_ref, "Q5_1": dequant_q5_1_ref,
             "Q4_K": dequant_q4_k_ref, "Q5_K": dequant_q5_k_ref, "Q6_K": dequant_q6_k_ref}[qtype](raw)

@@ -23,7 +23,7 @@ from numba import cuda, float32, int32, int64, uint32
 QK = 32  # values per quantization block; F16/F32 rows are cut into 32-value blocks too
 PARTS = 4  # lanes per block
 PART = QK // PARTS  # 8 values per lane per block
-BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "F16": 64, "F32": 128, "Q5_0": 22}  # bytes per 32 values
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "F16": 64, "F32": 128, "Q5_0": 22, "Q5_1": 24}  # bytes per 32 values
 QK_K = 256  # values per K-quant super-block: its 8 blocks of 32 share one run of bytes
 SUPER_BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}  # bytes per 256 values
 
@@ -117,6 +117,20 @@ def part_q5_0(a,    # (rows, in/32 * 11) uint16; a row's block blk = d, qh (2 ha
             w[4 + k] = (float32(high) - float32(16.0)) * d
 
 
+@cuda.jit(device=True)
+def part_q5_1(a,    # (rows, in/32 * 6) uint32; a row's block blk = (d, m), qh, then 4 words of codes
+              b,    # (rows, in/32 * 12) float16: the same bytes
+              row, blk, p, w):
+    d, m = float32(b[row, 12 * blk]), float32(b[row, 12 * blk + 1])
+    qh = a[row, 6 * blk + 1]  # bit j: value j's fifth bit
+    word = a[row, 6 * blk + 2 + p]  # code bytes 4p..4p+3, one 4-byte load
+    for i in range(4):
+        byte = (word >> (8 * i)) & 0xFF
+        j = 4 * p + i  # the low nibble's value; the high nibble's is j + 16
+        w[i] = float32((byte & 0x0F) | (((qh >> j) & 1) << 4)) * d + m
+        w[4 + i] = float32((byte >> 4) | (((qh >> (j + 16)) & 1) << 4)) * d + m
+
+
 # --8<-- [start:part_k_quants]
 # The K-quants: block blk is sub-block blk % 8 of super-block blk // 8 (256 values), and
 # part p is its values 8p..8p+7 (no nibble runs: a sub-block's value i is byte i's low or
@@ -198,6 +212,7 @@ QTYPES = {
     "F16": (part_f16, np.float16, np.float16, False),
     "F32": (part_f32, np.float32, np.float32, False),
     "Q5_0": (part_q5_0, np.uint16, np.float16, True),
+    "Q5_1": (part_q5_1, np.uint32, np.float16, True),
     "Q4_K": (part_q4_k, np.uint32, np.float16, False),
     "Q5_K": (part_q5_k, np.uint32, np.float16, False),
     "Q6_K": (part_q6_k, np.uint16, np.float16, False),
