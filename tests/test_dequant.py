@@ -115,3 +115,27 @@ def test_the_plain_tier_runs_a_k_quant_model_as_the_numpy_backend_does(qtype, tm
     want, got = runs
     assert (np.abs(got - want) <= 1e-3 * np.abs(want).max(axis=1, keepdims=True)).all()
     assert (got.argmax(1) == want.argmax(1)).all()
+
+
+@pytest.mark.parametrize("backend", ["plain", "fast"])
+def test_a_fused_matrix_of_mixed_types_is_stored_as_its_exact_weights(backend):
+    """A K-quant mix gives q|k|v different types (a Q4_K_M file of the default model:
+    Q5_0, Q5_0 and Q8_0); the cuda backend stores the fused rows as F32, each weight the
+    numpy backend's dequantized value to the bit. One type stays as it is."""
+    from strata_nb.backend import get_backend
+    from strata_nb.backend.numpy_backend import NumpyBackend
+    from strata_nb.model.gguf_file import QTensor
+
+    rng = np.random.default_rng(3)
+
+    def tensor(name, qtype, rows):
+        w = rng.standard_normal((rows, 64)).astype(np.float32)
+        return QTensor(name, qtype, (rows, 64), gguf.quants.quantize(w, getattr(T, qtype)))
+
+    q, k, v = tensor("q", "Q5_0", 8), tensor("k", "Q5_0", 4), tensor("v", "Q8_0", 4)
+    be = get_backend("cuda", backend)
+    fused = be.matrix(q, k, v)
+    assert fused.qtype == "F32" and fused.shape == (16, 64)
+    want = NumpyBackend().matrix(q, k, v)
+    assert fused.raw.copy_to_host().view(np.float32).tobytes() == want.astype(np.float32).tobytes()
+    assert be.matrix(v).qtype == "Q8_0"

@@ -185,8 +185,11 @@ class CudaBackend(ComposedOps):
         once; they stay quantized there."""
         qtypes = {t.qtype for t in qtensors}
         if len(qtypes) != 1:
-            raise StrataError("tensors fused into one matrix must share a type: "
-                              + ", ".join(f"{t.name} is {t.qtype}" for t in qtensors))
+            # A K-quant mix gives the tensors of one fused matrix different types (a Q4_K_M
+            # file's q|k|v can be Q5_0, Q5_0 and Q8_0): their rows are stored as F32, each
+            # weight its dequantized value exactly, so one kernel reads them all.
+            raw = np.concatenate([dequantize(t.raw, t.qtype) for t in qtensors], axis=0).view(np.uint8)
+            return DeviceMatrix("F32", (raw.shape[0], raw.shape[1] // 4), cuda.to_device(raw))
         qtype = qtypes.pop()
         if qtype not in self.qtypes:
             plain = " (--kernels plain reads it)" if qtype in gguf_rows.QTYPES else ""
