@@ -23,6 +23,10 @@ figure is typed by hand (tests/test_docs.py checks both are up to date):
 - docs/reading-the-code.md, its reading order of the plain tier: each file's line count
   and the total, from src/strata_nb/kernels/.
 
+- docs/measured/load/q4_k_by_hand.md: one Q4_K super-block (random bytes, seed 0)
+  decoded step by step, each step's numbers computed here and the weights checked
+  against model/dequant.py's reference.
+
 - each docs/measured/**/bench.md, from the bench.json beside it, as `strata-nb bench`
   writes it (bench/report.py: the command as a reader pastes it, no machine's paths).
 
@@ -50,6 +54,7 @@ EXPERTS_MD = EXPERTS_DIR / "experts.md"
 EXPERTS_PNG = ROOT / "docs" / "assets" / "expert_hit_rate.png"
 READING = ROOT / "docs" / "reading-the-code.md"
 PLAIN_TIER = ROOT / "src" / "strata_nb" / "kernels"
+BY_HAND = ROOT / "docs" / "measured" / "load" / "q4_k_by_hand.md"
 START = "<!-- bench-table: written by python tools/docs_tables.py from docs/measured/bench/bench.json -->"
 END = "<!-- /bench-table -->"
 
@@ -305,6 +310,43 @@ def plain_tier_counts(page: str) -> str:
                   lambda m: f"{m[1]}{lines[m[2]]}{m[3]}", page, flags=re.MULTILINE)
 
 
+def q4_k_by_hand(seed: int = 0) -> str:
+    """One Q4_K super-block's bytes and every step from them to its 256 weights."""
+    import numpy as np
+
+    from strata_nb.model.dequant import dequant_q4_k_ref, scale_min_k4
+    from strata_nb.model.synthetic import random_k_quant_rows
+
+    raw = random_k_quant_rows(np.random.default_rng(seed), "Q4_K", 1, 256, 0.1)[0]
+    d, dmin = (float(raw[i:i + 2].view(np.float16)[0]) for i in (0, 2))
+    sc, m = (a.tolist() for a in scale_min_k4(raw[4:16]))
+    weights = dequant_q4_k_ref(raw[None])[0].reshape(8, 32)
+    hexes = lambda b: " ".join(f"{x:02x}" for x in b)  # noqa: E731
+    lines = [f"Bytes 0-3, `d` and `dmin` (fp16): `{hexes(raw[0:4])}` = {d:.6g} and {dmin:.6g}.", "",
+             f"Bytes 4-15, the packed scales and mins: `{hexes(raw[4:16])}`. Sub-blocks 0-3 read theirs "
+             "from the low 6 bits of scale bytes 0-3 and 4-7; sub-block 4, for one, takes the low nibble of "
+             f"scale byte 8 (0x{raw[12]:02x}) and the top 2 bits of byte 0 (0x{raw[4]:02x}): "
+             f"`sc_4` = {raw[12] & 15} + 16 * {raw[4] >> 6} = {sc[4]}; its min the high nibble of byte 8 and the "
+             f"top bits of byte 4 (0x{raw[8]:02x}): `m_4` = {raw[12] >> 4} + 16 * {raw[8] >> 6} = {m[4]}.", "",
+             "| sub-block j | `sc_j` (6 bits) | `m_j` (6 bits) | scale `d*sc_j` | low `dmin*m_j` "
+             "| its codes (bytes) | first codes `q` | first weights `scale*q - low` |",
+             "| --- | ---: | ---: | ---: | ---: | --- | --- | --- |"]
+    for j in range(8):
+        scale = np.float32(d) * np.float32(sc[j])
+        low = np.float32(dmin) * np.float32(m[j])
+        chunk, shift = 16 + 32 * (j // 2), 4 * (j % 2)
+        q = (raw[chunk:chunk + 3] >> shift) & 15
+        w = [scale * np.float32(x) - low for x in q]
+        assert [np.float32(x) for x in w] == weights[j, :3].tolist()
+        lines.append(f"| {j} | {sc[j]} | {m[j]} | {scale:.6g} | {low:.6g} | {chunk}-{chunk + 31}, "
+                     f"{'low' if shift == 0 else 'high'} nibbles | {', '.join(map(str, q.tolist()))}, ... "
+                     f"| {', '.join(f'{x:.5g}' for x in w)}, ... |")
+    lines += ["", "Written by `python tools/docs_tables.py` from `random_k_quant_rows` (seed 0); every "
+              "weight above is `dequant_q4_k_ref`'s, and that is gguf-py's to the bit "
+              "(`tests/test_dequant.py`).", ""]
+    return "\n".join(lines)
+
+
 def outputs() -> dict[Path, str]:
     """Every generated file's path and the text it must hold."""
     lessons = json.loads(LESSONS_JSON.read_text())["lessons"]
@@ -317,6 +359,7 @@ def outputs() -> dict[Path, str]:
     out[README] = pattern.sub(lambda _: table, readme)
     out[EXPERTS_MD] = experts_table(expert_benches())
     out[READING] = plain_tier_counts(READING.read_text())
+    out[BY_HAND] = q4_k_by_hand()
     out[NEEDLE_DIR / "speed.md"] = needle_speed(*(json.loads((NEEDLE_DIR / f"bench_{n}.json").read_text())
                                                   for n in ("quest_bound", "key_sketch")))
     out[NEEDLE_DIR / "speed_h100.md"] = needle_speed(
@@ -337,6 +380,7 @@ def main(argv: list[str]) -> int:
             print(f"out of date: {p.relative_to(ROOT)} (run python tools/docs_tables.py)")
         return 1 if stale else 0
     LESSONS_DIR.mkdir(parents=True, exist_ok=True)
+    BY_HAND.parent.mkdir(parents=True, exist_ok=True)
     for p, text in outputs().items():
         p.write_text(text)
     try:

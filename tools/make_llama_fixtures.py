@@ -39,6 +39,14 @@ into ``tests/fixtures/``:
   ``llama_moe_reference_meta.json`` records each file's moefy settings (the
   tests rebuild the files from them), sha256s, and the comparisons below.
 
+* ``--k-quants``: the default model requantized by llama.cpp's quantizer to Q4_K_M,
+  Q5_K_M and Q6_K (tests/k_quant_files.py makes each file once into the model cache),
+  each teacher-forced over the same three texts with the default f16 KV cache:
+  ``llama_k_quants_logits.npz`` (keys ``<kind>_topk_ids_<i>`` and
+  ``<kind>_topk_logits_<i>``, top-32 rows only; the ids are the dense fixture's) and
+  ``llama_k_quants_meta.json`` (each file's sha256, size and tensor types, and how its
+  llama.cpp logits stand against llama.cpp's F32 run).
+
 How to run
 ----------
     python3 tools/write_f32_gguf.py /tmp/model/SmolLM2-135M-Instruct.Q4_1.gguf \
@@ -58,6 +66,10 @@ For --moe, first write the MoE files and their F32 copies (settings from MOE_FIL
 
 It writes only the MoE fixtures (about 15 seconds on 2 cores; the dense ones stay as they are).
 
+For --k-quants, only the Q4_1 file (the default model) is needed:
+
+    /tmp/llamaenv/bin/python tools/make_llama_fixtures.py --k-quants [--q4 PATH]
+
 Runtime: about 20 seconds on a 2-core x86 machine (~12 s for the fixtures,
 ~5 s for the speed measurement).  Needs llama-cpp-python, numpy and the two
 GGUF files (not in the repo).  CI does NOT run this script; it only reads the
@@ -67,7 +79,6 @@ llama_reference_meta.json are kept.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import platform
@@ -210,11 +221,9 @@ GREEDY_PROMPTS = [
 
 
 def sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+    from strata_nb.model.fetch import sha256 as of_file
+
+    return of_file(Path(path))
 
 
 def make_llm(path: str, f32_kv: bool, logits_all: bool = True) -> Llama:
@@ -423,17 +432,68 @@ def moe_fixtures(paths: dict[str, str], t_start: float) -> int:
     return 0
 
 
+def k_quant_fixtures(source: str, t_start: float) -> int:
+    """The --k-quants mode: llama_k_quants_logits.npz and llama_k_quants_meta.json."""
+    import gguf
+
+    sys.path.insert(0, str(REPO / "tests"))
+    from k_quant_files import FTYPES, LOGITS, META, k_quant_file
+
+    if META.exists():
+        META.unlink()  # the files are made anew and their sha256 recorded
+    dense = np.load(FIXTURES / "llama_f32_logits.npz")
+    arrs, files = {}, {}
+    for kind in FTYPES:
+        path = k_quant_file(kind, source)
+        llm = make_llm(str(path), f32_kv=False)
+        n = agree = 0
+        md = 0.0
+        for i in range(3):
+            ids = dense[f"ids_{i}"].tolist()
+            r = teacher_forced(llm, ids)
+            arrs[f"{kind}_topk_ids_{i}"], arrs[f"{kind}_topk_logits_{i}"] = r["topk_ids"], r["topk_logits"]
+            d = dict(ids=dense[f"ids_{i}"], topk_ids=dense[f"topk_ids_{i}"], topk_logits=dense[f"topk_logits_{i}"])
+            m, a = overlap_diff(r, d)
+            md, agree, n = max(md, m), agree + a, n + len(ids)
+        del llm
+        types: dict[str, int] = {}
+        for t in gguf.GGUFReader(str(path)).tensors:
+            types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
+        files[kind] = {"file": path.name, "size": path.stat().st_size, "sha256": sha256(str(path)),
+                       "llama_ftype": FTYPES[kind], "tensor_types": dict(sorted(types.items())),
+                       "against_llama_cpp_f32": {"top1_agreement": f"{agree}/{n}",
+                                                 "max_abs_diff_topk_overlap": float(f"{md:.3g}")}}
+        print(f"[{kind}] {json.dumps(files[kind])}", flush=True)
+    np.savez_compressed(LOGITS, **arrs)
+    meta = {
+        "llama_cpp_python_version": llama_cpp.__version__,
+        "python": sys.version.split()[0], "numpy": np.__version__, "platform": platform.platform(),
+        "source_model": "the default model (SmolLM2-135M-Instruct Q4_1), the sha256 in llama_reference_meta.json",
+        "made_by": "tests/k_quant_files.py: llama_model_quantize(Q4_1 file, out, ftype, allow_requantize)",
+        "files": files,
+        "llama_params": {"n_ctx": N_CTX, "n_batch": N_BATCH, "n_threads": N_THREADS, "logits_all": True,
+                         "flash_attn": False, "kv_cache": "default (f16)"},
+        "texts": "the three texts of llama_f32_logits.npz, same ids; top-32 rows",
+        "script_runtime_s": round(time.time() - t_start, 1),
+    }
+    META.write_text(json.dumps(meta, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--q4", default=DEFAULT_Q4)
     ap.add_argument("--f32", default=DEFAULT_F32)
     ap.add_argument("--no-speed", action="store_true")
     ap.add_argument("--moe", action="store_true", help="write only the MoE fixtures")
+    ap.add_argument("--k-quants", action="store_true", help="write only the K-quant fixtures")
     for key, spec in MOE_FILES.items():
         ap.add_argument(f"--moe-{key}", default=spec["f32"], help=f"F32 copy of the {key} MoE file")
     args = ap.parse_args()
     FIXTURES.mkdir(parents=True, exist_ok=True)
     t_start = time.time()
+    if args.k_quants:
+        return k_quant_fixtures(args.q4, t_start)
     if args.moe:
         return moe_fixtures({key: getattr(args, f"moe_{key}") for key in MOE_FILES}, t_start)
 

@@ -37,7 +37,7 @@ def default_model_path() -> Path:
     return cache_dir() / FILENAME
 
 
-def _sha256(path: Path) -> str:
+def sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as fh:
         for chunk in iter(lambda: fh.read(1 << 20), b""):
@@ -58,7 +58,7 @@ def fetch(progress: bool = True) -> Path:
     from tqdm import tqdm
 
     dest = default_model_path()
-    if dest.is_file() and dest.stat().st_size == SIZE and _sha256(dest) == SHA256:
+    if dest.is_file() and dest.stat().st_size == SIZE and sha256(dest) == SHA256:
         return dest
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
@@ -84,7 +84,7 @@ def fetch(progress: bool = True) -> Path:
             for chunk in iter(lambda: src.read(1 << 20), b""):
                 out.write(chunk)
                 bar.update(len(chunk))
-        size, digest = part.stat().st_size, _sha256(part)
+        size, digest = part.stat().st_size, sha256(part)
         if size != SIZE or digest != SHA256:
             raise StrataError(f"the extracted model does not verify (size {size}, sha256 {digest})")
         os.replace(part, dest)
