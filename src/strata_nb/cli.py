@@ -226,11 +226,11 @@ def _prompt_text(prompt: str | None) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def info(model, kv, max_context, as_json):
     """Print the model's facts and the KV format's sizes."""
-    from .model.fetch import ensure_default_model
+    from .model.fetch import model_path
     from .model.gguf_file import GGUFModel
     from .kv_layout import BLOCK, cell_bytes, kv_block_bytes, runs_of, token_bytes
 
-    m = GGUFModel(model or ensure_default_model())
+    m = GGUFModel(model_path(model))
     c = m.config
     ctx = max_context or c.context_length
     per_token = token_bytes(kv, c)
@@ -552,19 +552,22 @@ def _device_name(be) -> str:
               help="File to write (default: <model>-<kind>-e<E>k<K>.gguf in the current folder).")
 def moefy(model, kind, experts, used, router, seed, out):
     """Write a mixture-of-experts GGUF (llama.cpp's layout) from a dense one, byte for byte."""
-    from .model.fetch import ensure_default_model
+    from .model.fetch import model_path
     from .model.moefy import moefy as write_moe
 
-    path = write_moe(model or ensure_default_model(), out, kind, experts, used, router, seed)
+    path = write_moe(model_path(model), out, kind, experts, used, router, seed)
     click.echo(f"{path} ({path.stat().st_size / 2**20:.1f} MiB)")
 
 
 @cli.command()
-def fetch():
-    """Download the default model into the cache (STRATA_NB_HOME or the user cache dir)."""
+@click.option("--model", "name", default=None, metavar="NAME",
+              help="A model by name, e.g. gemma3-270m (its terms are shown); default: the default model.")
+def fetch(name):
+    """Download a model into the cache (STRATA_NB_HOME or the user cache dir)."""
     from .model.fetch import fetch as fetch_model
+    from .model.fetch import fetch_named
 
-    click.echo(str(fetch_model(progress=True)))
+    click.echo(str(fetch_named(name) if name else fetch_model(progress=True)))
 
 
 @cli.command("probe")

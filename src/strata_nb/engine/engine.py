@@ -22,7 +22,7 @@ from ..kernels.step.select_rows import budget_note
 from ..kernels.step.verify import verify, verify_ref
 from ..kv.cache import KVCache
 from ..kv_layout import BLOCK
-from ..model.fetch import ensure_default_model
+from ..model.fetch import model_path
 from ..model.gguf_file import GGUFModel
 from ..model.weights import load_weights
 from ..settings import SamplingSettings, Settings
@@ -143,10 +143,11 @@ class Engine:
     @classmethod
     def load(cls, model: str | None = None, kv: str = "fp16", kv_resident: int = 0, device: str = "auto",
              max_context: int | None = None, **more) -> "Engine":
-        """Open a GGUF (None = the default model, fetched on first use) and build the engine."""
+        """Open a GGUF (None = the default model, fetched on first use; a name such as
+        gemma3-270m, once fetched) and build the engine."""
         settings = Settings(model=model, kv=kv, kv_resident=kv_resident, device=device,
                             max_context=max_context, **more)
-        path = settings.model or ensure_default_model()
+        path = model_path(settings.model)
         t0 = time.perf_counter()
         eng = cls(settings, GGUFModel(path), get_backend(settings.device, settings.kernels))
         eng.load_seconds = time.perf_counter() - t0
