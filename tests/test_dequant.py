@@ -83,22 +83,14 @@ def test_a_k_quant_model_answers_on_the_cpu(k_quant_model, capsys):
     assert code == 0 and out.strip(), err
 
 
-def test_the_fast_tier_names_the_tier_that_reads_a_k_quant(k_quant_model):
-    from strata_nb import Engine
-    from strata_nb.errors import StrataError
-
-    with pytest.raises(StrataError, match=r"is Q4_K; the cuda backend's fast kernels read Q4_0, Q4_1, Q8_0, F16, "
-                                          r"F32 \(--kernels plain reads it\)"):
-        Engine.load(model=k_quant_model, device="cuda", kernels="fast", max_context=64)
-
-
 @pytest.mark.sim_engine
 @pytest.mark.parametrize("qtype", ["Q4_K"] if not ON_GPU else ["Q5_0", "Q4_K", "Q5_K", "Q6_K"])
-def test_the_plain_tier_runs_a_k_quant_model_as_the_numpy_backend_does(qtype, tmp_path):
+def test_both_tiers_run_a_k_quant_model_as_the_numpy_backend_does(qtype, tmp_path):
     """Prefill and decode steps on the plain tier's kernels (gguf_rows.py's K-quant parts)
-    give the numpy backend's logits (1e-3 of the largest, as the cuda backend's forward
-    test) and its greedy picks: 2 prompt tokens and 1 step under the simulator (minutes),
-    8 and 16 on a GPU."""
+    and the fast tier's (the same parts, gguf_fetch.py's fetch_whole) give the numpy
+    backend's logits (1e-3 of the largest, as the cuda backend's forward test) and its
+    greedy picks: 2 prompt tokens and 1 step under the simulator (minutes), 8 and 16 on a
+    GPU."""
     from strata_nb import Engine
     from strata_nb.model.synthetic import write_synthetic_gguf
 
@@ -106,15 +98,16 @@ def test_the_plain_tier_runs_a_k_quant_model_as_the_numpy_backend_does(qtype, tm
                                     n_kv_heads=2, head_dim=64, qtype=qtype))
     prompt, steps = ([5, 6], 1) if not ON_GPU else (list(range(5, 13)), 16)
     runs = []
-    for device in ("cpu", "cuda"):
-        eng = Engine.load(model=path, device=device, kernels="plain", max_context=64)
+    for device, kernels in (("cpu", "plain"), ("cuda", "plain"), ("cuda", "fast")):
+        eng = Engine.load(model=path, device=device, kernels=kernels, max_context=64)
         logits = [eng.prefill(prompt)]
         for pos in range(len(prompt), len(prompt) + steps):
             logits.append(eng.decode_one_token(int(np.argmax(logits[-1])), pos))
         runs.append(np.stack(logits))
-    want, got = runs
-    assert (np.abs(got - want) <= 1e-3 * np.abs(want).max(axis=1, keepdims=True)).all()
-    assert (got.argmax(1) == want.argmax(1)).all()
+    want = runs[0]
+    for got in runs[1:]:
+        assert (np.abs(got - want) <= 1e-3 * np.abs(want).max(axis=1, keepdims=True)).all()
+        assert (got.argmax(1) == want.argmax(1)).all()
 
 
 @pytest.mark.parametrize("backend", ["plain", "fast"])

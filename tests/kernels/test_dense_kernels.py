@@ -452,7 +452,28 @@ def test_fast_matvec_is_the_plain_matvec_within_dot_tolerance(qtype, n, shape):
 
 
 @pytest.mark.fast_twin
-@pytest.mark.parametrize("qtype, n, shape", MATMUL_CASES)
+@pytest.mark.parametrize("qtype, shape", [("Q5_0", (9, 96)), ("Q5_1", (9, 96)), ("Q4_K", (9, 512)),
+                                          ("Q5_K", (9, 512)), ("Q6_K", (9, 512))] if not ON_GPU else
+                         [(q, (1536, 1536)) for q in ("Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")])
+def test_the_fast_matvec_reads_q5_and_the_k_quants_as_the_plain_one(qtype, shape):
+    """The fast tier takes these types through the plain parts whole (gguf_fetch.py's
+    fetch_whole): within dot_tolerance of the plain kernel and of the reference."""
+    rng = np.random.default_rng(41)
+    raw = quantized(rng, qtype, shape)
+    x = rng.standard_normal((1, shape[1])).astype(np.float32)
+    want = np.zeros((1, shape[0]), np.float32)
+    plain, fast = (np.full((1, shape[0]), np.nan, np.float32) for _ in range(2))
+    matvec_ref(x, raw, qtype, want)
+    matvec(x, raw, qtype, plain)
+    fast_matvec.matvec(x, raw, qtype, fast)
+    bound = dot_tolerance(x, dequantize(raw, qtype))
+    assert_within(fast, plain, bound)
+    assert_within(fast, want, bound)
+
+
+@pytest.mark.fast_twin
+@pytest.mark.parametrize("qtype, n, shape", MATMUL_CASES + ([("Q4_K", 11, (29, 256)), ("Q6_K", 11, (29, 256))]
+                                                            if not ON_GPU else [("Q4_K", 300, (1000, 1536))]))
 def test_tiled_matmul_is_the_plain_matmul_bit_for_bit(qtype, n, shape):
     """fast/matmul_tiled.py's kernel makes the plain kernel's sums in the same order (every
     output's products added in order of k, the padded rows' zeros adding nothing): the same
@@ -511,13 +532,13 @@ def decode_q8_0_unsigned(f, c, j, w):
         w[2 * h + 1] = float32((c[j, h] >> 8) & 0xFF) * f[j, 0]
 
 
-@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("qtype", QTYPES + ["Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
 def test_fetch_then_decode_is_the_plain_dequantizer_bit_for_bit(qtype):
     """The expert kernels' dequantizers in two steps (fast/gguf_fetch.py) give the plain
     dequantizer's bits for every part of every row. Negative control: a Q8_0 decode that
     loses the codes' signs is caught."""
     rng = np.random.default_rng(10)
-    rows, n_in = 5, 96
+    rows, n_in = 5, 256 if qtype in K_QUANT_F16 else 96
     raw = quantized(rng, qtype, (rows, n_in), scale=0.5)
     a, b = weight_views(raw, qtype)
     part = PARTS_OF[qtype][0]

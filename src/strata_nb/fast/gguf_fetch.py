@@ -103,9 +103,26 @@ def decode_float(f, c, j, w):
         w[k] = f[j, k]
 
 
+def fetch_whole(part, name: str):
+    """A dequantizer not cut in two yet (Q5_0, Q5_1 and the K-quants): the plain `part`
+    whole as the fetch step, its 8 values into f[j] (decode_float copies them out). Its
+    loads and arithmetic still alternate; bit for bit the plain part, being it."""
+
+    def fetch(a, b, row, blk, p, f, c, j):
+        w = cuda.local.array(PART, float32)
+        part(a, b, row, blk, p, w)
+        for k in range(PART):
+            f[j, k] = w[k]
+
+    fetch.__name__ = fetch.__qualname__ = name
+    return cuda.jit(device=True)(fetch)
+
+
 # qtype: its dequantizer's two steps, fetch and decode
 STEPS = {"Q4_0": (fetch_q4_0, decode_q4_0), "Q4_1": (fetch_q4_1, decode_q4_1), "Q8_0": (fetch_q8_0, decode_q8_0),
          "F16": (fetch_f16, decode_float), "F32": (fetch_f32, decode_float)}
+STEPS |= {qtype: (fetch_whole(gguf_rows.QTYPES[qtype][0], f"fetch_{qtype.lower()}_whole"), decode_float)
+          for qtype in ("Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")}
 
 
 def make_part(fetch, decode, name: str):
@@ -124,7 +141,6 @@ def make_part(fetch, decode, name: str):
 
 
 # gguf_rows.QTYPES with each dequantizer made from its two steps: what the fast dense
-# kernels dequantize with (the types with both steps written; Q5_0 and the K-quants are
-# the plain tier's alone so far)
+# kernels dequantize with
 QTYPES = {qtype: (make_part(*STEPS[qtype], f"part_{qtype.lower()}"), view_a, view_b, nibbles)
           for qtype, (_, view_a, view_b, nibbles) in gguf_rows.QTYPES.items() if qtype in STEPS}

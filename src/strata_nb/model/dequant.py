@@ -43,8 +43,8 @@ QK_K = 256  # weights per K-quant super-block: 8 sub-blocks of QK
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q5_0": 22, "Q5_1": 24, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 # where each K-quant's super-block keeps its fp16 d (and dmin)
 K_QUANT_F16 = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
-# What the engine loads: the numpy backend and the plain tier read them all; the fast
-# tier the first five (fast/gguf_fetch.py), and it says so for the rest.
+# What the engine loads: the numpy backend and both tiers read them all (the fast tier's
+# two-step dequantizers, fast/gguf_fetch.py, take Q5_0, Q5_1 and the K-quants whole).
 SUPPORTED = ("F32", "F16", "Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 
 
