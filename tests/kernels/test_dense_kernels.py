@@ -438,7 +438,10 @@ def test_fast_matvec_is_the_plain_matvec_within_dot_tolerance(qtype, n, shape):
     a block, a thread's parts of them, then the warp's tree), so not bit for bit: each is
     within (in + 1) u sum |x w| of the exact sums, so the two are within dot_tolerance of
     each other, and the fast one within it of the reference too."""
-    rng = np.random.default_rng(n + 40)
+    check_fast_matvec(qtype, n, shape, np.random.default_rng(n + 40))
+
+
+def check_fast_matvec(qtype, n, shape, rng):
     raw = quantized(rng, qtype, shape)
     x = rng.standard_normal((n, shape[1])).astype(np.float32)
     want = np.zeros((n, shape[0]), np.float32)
@@ -458,17 +461,7 @@ def test_fast_matvec_is_the_plain_matvec_within_dot_tolerance(qtype, n, shape):
 def test_the_fast_matvec_reads_q5_and_the_k_quants_as_the_plain_one(qtype, shape):
     """The fast tier takes these types through the plain parts whole (gguf_fetch.py's
     fetch_whole): within dot_tolerance of the plain kernel and of the reference."""
-    rng = np.random.default_rng(41)
-    raw = quantized(rng, qtype, shape)
-    x = rng.standard_normal((1, shape[1])).astype(np.float32)
-    want = np.zeros((1, shape[0]), np.float32)
-    plain, fast = (np.full((1, shape[0]), np.nan, np.float32) for _ in range(2))
-    matvec_ref(x, raw, qtype, want)
-    matvec(x, raw, qtype, plain)
-    fast_matvec.matvec(x, raw, qtype, fast)
-    bound = dot_tolerance(x, dequantize(raw, qtype))
-    assert_within(fast, plain, bound)
-    assert_within(fast, want, bound)
+    check_fast_matvec(qtype, 1, shape, np.random.default_rng(41))
 
 
 @pytest.mark.fast_twin
