@@ -121,8 +121,9 @@ def fetch_whole(part, name: str):
 # qtype: its dequantizer's two steps, fetch and decode
 STEPS = {"Q4_0": (fetch_q4_0, decode_q4_0), "Q4_1": (fetch_q4_1, decode_q4_1), "Q8_0": (fetch_q8_0, decode_q8_0),
          "F16": (fetch_f16, decode_float), "F32": (fetch_f32, decode_float)}
+WHOLE = ("Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")  # the types read through fetch_whole
 STEPS |= {qtype: (fetch_whole(gguf_rows.QTYPES[qtype][0], f"fetch_{qtype.lower()}_whole"), decode_float)
-          for qtype in ("Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")}
+          for qtype in WHOLE}
 
 
 def make_part(fetch, decode, name: str):
