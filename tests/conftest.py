@@ -112,6 +112,15 @@ def tiny_model(tmp_path_factory):
     return str(write_synthetic_gguf(tmp_path_factory.mktemp("tiny") / "tiny.gguf"))
 
 
+@pytest.fixture(scope="session")
+def k_quant_model(tmp_path_factory):
+    """A 1-layer random model with every matrix Q4_K (d 256: rows of whole super-blocks)."""
+    from strata_nb.model.synthetic import write_synthetic_gguf
+
+    return str(write_synthetic_gguf(tmp_path_factory.mktemp("k_quant") / "q4_k.gguf", n_layers=1, d_model=256,
+                                    d_ff=256, n_heads=4, n_kv_heads=2, head_dim=64, qtype="Q4_K"))
+
+
 # ---- the default tier, and the test that runs last ----------------------------------------
 LEFT_OUT = pytest.StashKey[int]()  # how many tests the default tier left out of this run
 

@@ -56,13 +56,16 @@ class WokenThread(kernel.BlockThread):
         self.given.acquire()
         self.start()
 
-    def play(self, manager, target, grid_point, point):
-        """What BlockThread.__init__ sets, for this CUDA thread; then let it run."""
+    def play(self, manager, target, grid_point, point, after):
+        """What BlockThread.__init__ sets, for this CUDA thread. It runs once `given` is
+        released (the launch releases the block's first thread), and then releases
+        `after`, the block's next thread (or None)."""
         self._manager, self.debug = manager, manager._debug
         self.blockIdx, self.threadIdx = kernel.Dim3(*grid_point), kernel.Dim3(*point)
         x, y, _ = manager._block_dim
         self.thread_id = point[0] + x * (point[1] + y * point[2])
-        self.exception, self.abort, self.next, self.next_given = None, False, None, None
+        self.exception, self.abort, self.next = None, False, None
+        self.next_given = after.given if after is not None else None
         self._target, self._args, self._kwargs = target, (), {}
         if self.debug:
             self._target = kernel_with_errors_raised(target)
@@ -76,7 +79,6 @@ class WokenThread(kernel.BlockThread):
             manager, exception = self._manager, self.exception
             IDLE.append(self)  # before it counts as returned, so the next block finds it
             manager.returned(exception)
-
 
     def syncthreads(self):  # syncthreads_count/and/or call it too
         block = self._manager
@@ -119,8 +121,7 @@ class WokenBlockManager(PLAIN):
 
         threads = [IDLE.pop() if IDLE else WokenThread() for _ in points]
         for t, p, after in zip(threads, points, threads[1:] + [None]):
-            t.play(self, target, grid_point, p)
-            t.next_given = after.given if after is not None else None
+            t.play(self, target, grid_point, p, after)
         threads[0].given.release()
         self.over.wait()
         with self.lock:

@@ -49,10 +49,11 @@ def install(original=ORIGINAL["call"], push=ORIGINAL["push"]) -> None:
         if not self._device or launch is None:
             return original(self, *args)
         globs = self.fn.__globals__
-        for name in cuda_names(globs):
+        names = cuda_names(globs)
+        for name in names:
             if globs[name] is not launch:
                 globs[name] = launch
-                REBOUND[id(globs)] = (globs, CUDA_NAMES[id(globs)])
+                REBOUND[id(globs)] = (globs, names)
         return self.fn(*args)
 
     @contextmanager

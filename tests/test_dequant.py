@@ -66,15 +66,6 @@ def test_the_k_quants_and_q5_match_gguf(qtype, rows, blocks):
     assert ours.tobytes() == theirs.tobytes()
 
 
-@pytest.fixture(scope="module")
-def k_quant_model(tmp_path_factory):
-    """A 1-layer random model with every matrix Q4_K (d 256: rows of whole super-blocks)."""
-    from strata_nb.model.synthetic import write_synthetic_gguf
-
-    return str(write_synthetic_gguf(tmp_path_factory.mktemp("k_quant") / "q4_k.gguf", n_layers=1, d_model=256,
-                                    d_ff=256, n_heads=4, n_kv_heads=2, head_dim=64, qtype="Q4_K"))
-
-
 def test_a_k_quant_model_answers_on_the_cpu(k_quant_model, capsys):
     from cli_runner import run_cli
 

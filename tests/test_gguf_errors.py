@@ -30,15 +30,8 @@ def test_truncated_header(tiny_model, tmp_path):
         GGUFModel(p)
 
 
-@pytest.fixture(scope="module")
-def q4_k_model(tmp_path_factory):
-    """A K-quant file: every matrix Q4_K (256-value super-blocks of 144 bytes)."""
-    return str(write_synthetic_gguf(tmp_path_factory.mktemp("q4_k") / "q4_k.gguf", n_layers=1, d_model=256,
-                                    d_ff=256, n_heads=4, n_kv_heads=2, head_dim=64, qtype="Q4_K"))
-
-
 @pytest.mark.parametrize("file, cut_in", [("tiny_model", "blk.0.ffn_up.weight"), ("tiny_model", "the last tensor"),
-                                          ("q4_k_model", "blk.0.attn_v.weight")])
+                                          ("k_quant_model", "blk.0.attn_v.weight")])
 def test_truncated_tensor_data_names_the_tensor_and_the_missing_bytes(file, cut_in, request, tmp_path):
     model = request.getfixturevalue(file)
     data = Path(model).read_bytes()
