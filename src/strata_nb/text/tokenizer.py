@@ -1,7 +1,9 @@
 """Text <-> token ids, built from the GGUF file alone.
 
-The vocabulary, merges and token types live in the GGUF metadata (`tokenizer.ggml.*`); the
-BPE itself is the `tokenizers` library's. The chat template is the file's own Jinja
+The vocabulary, merges and token types live in the GGUF metadata (`tokenizer.ggml.*`). Two
+kinds: byte-level BPE (`tokenizer.ggml.model` "gpt2": SmolLM), whose BPE is the
+`tokenizers` library's, and SentencePiece ("llama": Gemma), tokenized as llama.cpp does it
+(text/sentencepiece.py). The chat template is the file's own Jinja
 (`tokenizer.chat_template`), rendered the way transformers renders it.
 """
 from __future__ import annotations
@@ -11,8 +13,10 @@ from collections import OrderedDict
 from functools import lru_cache
 
 from ..errors import StrataError
+from .sentencepiece import SentencePiece, SpecialTokens
 
-CONTROL = 3  # llama.cpp token type: special tokens such as <|im_start|>
+UNKNOWN = 2  # llama.cpp token types: <unk>
+CONTROL = 3  # special tokens such as <|im_start|>
 USER_DEFINED = 4
 STRETCHES = 256  # the most recent stretches between special tokens whose ids are kept
 
@@ -46,37 +50,58 @@ def _pre_tokenizer(pre: str):
 
 
 class Tokenizer:
-    """Byte-level BPE from GGUF metadata, plus the chat template and a streaming decoder."""
+    """Byte-level BPE or SentencePiece from GGUF metadata, plus the chat template and a
+    streaming decoder."""
 
     # --8<-- [start:tokenizer_init]
     def __init__(self, gguf_model):
-        from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models
-
         md = gguf_model.metadata
         kind = md("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise StrataError(f"unsupported tokenizer model {kind!r}: strata-nb reads byte-level BPE ('gpt2')")
+        if kind not in ("gpt2", "llama"):
+            raise StrataError(f"unsupported tokenizer model {kind!r}: strata-nb reads byte-level BPE ('gpt2') "
+                              "and SentencePiece ('llama')")
         self.tokens: list[str] = list(md("tokenizer.ggml.tokens"))
         types = md("tokenizer.ggml.token_type") or [1] * len(self.tokens)
-        merges = [tuple(m.split(" ", 1)) for m in md("tokenizer.ggml.merges") or []]
         vocab = self._vocab = {t: i for i, t in enumerate(self.tokens)}
+        self.eos_id = int(md("tokenizer.ggml.eos_token_id", 0))
+        self.bos_id = md("tokenizer.ggml.bos_token_id")
+        self.add_bos = bool(md("tokenizer.ggml.add_bos_token", False))  # the caller prepends bos_id; encode never does
+        # generation stops at EOS and at the end-of-turn marker of chat models
+        self.stop_ids = {self.eos_id} | {vocab[t] for t in ("<|im_end|>", "<|endoftext|>", "<end_of_turn>")
+                                         if t in vocab}
+        self.chat_template = md("tokenizer.chat_template")
+        self._stretches: OrderedDict[str, list[int]] = OrderedDict()  # text between special tokens -> ids
+        self._spm = None
+        if kind == "llama":
+            self._init_sentencepiece(md, types)
+        else:
+            self._init_bpe(md, types)
+
+    def _init_sentencepiece(self, md, types):
+        # the special tokens llama.cpp cuts out of the text first (<unk> too) and decodes as their own text
+        self.special_ids = {i for i, t in enumerate(types) if t in (UNKNOWN, CONTROL, USER_DEFINED)}
+        self._spm_specials = SpecialTokens({self.tokens[i]: i for i in self.special_ids})
+        scores = md("tokenizer.ggml.scores") or [0.0] * len(self.tokens)
+        self._spm = SentencePiece(self.tokens, self._vocab, scores, types)
+        # llama.cpp puts a space before the text, and after each special token, unless told not to
+        self.add_space_prefix = bool(md("tokenizer.ggml.add_space_prefix", True))
+
+    def _init_bpe(self, md, types):
+        from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models
+
+        merges = [tuple(m.split(" ", 1)) for m in md("tokenizer.ggml.merges") or []]
+        vocab = self._vocab
         self._hf = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
         self._hf.pre_tokenizer = _pre_tokenizer(md("tokenizer.ggml.pre", "gpt2"))
         self._hf.decoder = decoders.ByteLevel()
         self.special_ids = {i for i, t in enumerate(types) if t in (CONTROL, USER_DEFINED)}
         self._hf.add_special_tokens(
             [AddedToken(self.tokens[i], special=True, normalized=False) for i in sorted(self.special_ids)])
-        self.eos_id = int(md("tokenizer.ggml.eos_token_id", 0))
-        self.bos_id = md("tokenizer.ggml.bos_token_id")
-        # generation stops at EOS and at the end-of-turn marker of chat models
-        self.stop_ids = {self.eos_id} | {vocab[t] for t in ("<|im_end|>", "<|endoftext|>") if t in vocab}
-        self.chat_template = md("tokenizer.chat_template")
         self._bytes = _byte_decoder()
         # The text between special tokens, split on them (longest first at a position, as
-        # the BPE library matches them), and each stretch's ids, most recent last
+        # the BPE library matches them); each stretch's ids are kept in _stretches
         by_length = sorted((self.tokens[i] for i in self.special_ids), key=len, reverse=True)
         self._specials = re.compile("(" + "|".join(map(re.escape, by_length)) + ")") if by_length else None
-        self._stretches: OrderedDict[str, list[int]] = OrderedDict()
     # --8<-- [end:tokenizer_init]
 
     @property
@@ -85,12 +110,15 @@ class Tokenizer:
 
     # --8<-- [start:encode]
     def encode(self, text: str) -> list[int]:
-        """Token ids of `text`; special-token text such as <|im_start|> becomes its id; no BOS."""
+        """Token ids of `text`; special-token text such as <|im_start|> becomes its id. Never a
+        BOS: the caller prepends `bos_id` when `add_bos` is set."""
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as err:  # a lone surrogate: bytes that were not UTF-8, decoded leniently
             raise StrataError(f"the text is not valid Unicode: {text[err.start]!r} at index {err.start} "
                               "(bytes that were not UTF-8?)") from None
+        if self._spm is not None:
+            return self._encode_sentencepiece(text)
         if self._specials is None:
             return self._hf.encode(text, add_special_tokens=False).ids
         # A special token ends the text before it: the BPE library splits on them first
@@ -105,11 +133,27 @@ class Tokenizer:
                 ids += self._stretch(part)
         return ids
 
+    def _encode_sentencepiece(self, text: str) -> list[int]:
+        """llama.cpp's order: special tokens cut out first (longest first), then each stretch
+        alone, a space put before it when it starts the text or follows a special token
+        (if the vocabulary asks for that: add_space_prefix)."""
+        ids: list[int] = []
+        after_special = True
+        for part in self._spm_specials.split(text):
+            if isinstance(part, int):
+                ids.append(part)
+                after_special = True
+            else:
+                ids += self._stretch(" " + part if self.add_space_prefix and after_special else part)
+                after_special = False
+        return ids
+
     def _stretch(self, text: str) -> list[int]:
         """The ids of text without special tokens, from the cache of recent stretches."""
         ids = self._stretches.get(text)
         if ids is None:
-            ids = self._stretches[text] = self._hf.encode(text, add_special_tokens=False).ids
+            ids = self._stretches[text] = (self._spm.encode(text) if self._spm is not None
+                                           else self._hf.encode(text, add_special_tokens=False).ids)
             if len(self._stretches) > STRETCHES:
                 self._stretches.popitem(last=False)
         else:
@@ -121,6 +165,8 @@ class Tokenizer:
         t = self.tokens[token_id]
         if token_id in self.special_ids:
             return t.encode("utf-8")
+        if self._spm is not None:
+            return self._spm.token_bytes(token_id)
         return bytes(self._bytes[c] for c in t)
     # --8<-- [end:encode]
 
