@@ -27,7 +27,7 @@ from numba.cuda.cudadrv.driver import CudaAPIError
 
 from ..errors import StrataError
 from ..kernels.attention.attention import MAX_HEAD_DIM
-from ..kernels.dense import embed, gguf_rows, matmul, matvec, residual, rmsnorm, rope, swiglu
+from ..kernels.dense import embed, geglu, gguf_rows, matmul, matvec, residual, rmsnorm, rope, swiglu
 from ..kernels.experts.expert_down import expert_down
 from ..kernels.experts.expert_gate_up import expert_gate_up
 from ..kernels.experts.route import MAX_DIM, MAX_EXPERTS, MAX_USED, route
@@ -280,5 +280,19 @@ class CudaBackend(ComposedOps):
         h = device_empty((n, k, experts.host_gate_up.shape[1] // 2), np.float32)  # (n, K, F)
         expert_gate_up(x_norm, chosen, slot_of, at, experts.slot_gate_up, experts.host_gate_up, experts.qtype, h)
         expert_down(h, chosen, weights, slot_of, at, experts.slot_down, experts.host_down, experts.qtype, x)
+        return x
+
+    def geglu(self, gate_up):
+        out = device_empty((gate_up.shape[0], gate_up.shape[1] // 2), np.float32)
+        geglu.geglu(gate_up, out)
+        return out
+
+    def head_rmsnorm(self, qkv, q_norm, k_norm, eps: float, n_heads: int, n_kv: int):
+        out = device_empty(qkv.shape, np.float32)
+        rmsnorm.head_rmsnorm(qkv, q_norm, k_norm, eps, n_heads, n_kv, out)
+        return out
+
+    def scale_(self, x, s: float):
+        residual.scale(x, s)
         return x
     # --8<-- [end:cuda_ops]

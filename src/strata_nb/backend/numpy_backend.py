@@ -13,8 +13,10 @@ import numpy as np
 from ..kernels.experts.expert_down import expert_down_ref
 from ..kernels.experts.expert_gate_up import expert_gate_up_ref
 from ..kernels.experts.route import route_ref
+from ..kernels.dense.geglu import geglu_ref
 from ..kernels.dense.matvec import product_ref
-from ..kernels.dense.rmsnorm import rmsnorm_ref
+from ..kernels.dense.residual import scale_ref
+from ..kernels.dense.rmsnorm import head_rmsnorm_ref, rmsnorm_ref
 from ..kernels.dense.rope import rope_qkv_ref
 from ..kernels.dense.swiglu import swiglu_ref
 from ..model.dequant import dequantize
@@ -167,6 +169,24 @@ class NumpyBackend(ComposedOps):
         h = np.empty((n, k, experts.host_gate_up.shape[1] // 2), np.float32)  # (n, K, F)
         expert_gate_up_ref(x_norm, chosen, experts.res, at, experts.slot_gate_up, experts.host_gate_up, h)
         expert_down_ref(h, chosen, weights, experts.res, at, experts.slot_down, experts.host_down, x)
+        return x
+
+    def geglu(self, gate_up):
+        # gate_up (n, 2 ff) float32 -> (n, ff): gelu_tanh(gate) * up (Gemma's FFN)
+        out = np.empty((gate_up.shape[0], gate_up.shape[1] // 2), np.float32)
+        geglu_ref(gate_up, out)
+        return out
+
+    def head_rmsnorm(self, qkv, q_norm, k_norm, eps: float, n_heads: int, n_kv: int):
+        # qkv (n, (n_heads + 2 n_kv) hd) float32 -> the same shape: each q head RMS-normed
+        # with q_norm (hd,), each k head with k_norm (hd,), v heads copied (Gemma 3's QK-norm)
+        out = np.empty(qkv.shape, np.float32)
+        head_rmsnorm_ref(qkv, q_norm, k_norm, eps, n_heads, n_kv, out)
+        return out
+
+    def scale_(self, x, s: float):
+        # x (n, d) float32 *= float32(s), in place (Gemma's embedding rows times sqrt(d_model))
+        scale_ref(x, s)
         return x
     # --8<-- [end:numpy_ops]
 

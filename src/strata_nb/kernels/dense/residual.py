@@ -1,5 +1,7 @@
-"""The residual add: x += y, in place, one thread per value. A single float32 add per
-value, the same as NumPy's, so the kernel equals the reference bit for bit."""
+"""The residual stream's in-place ops, one thread per value: the residual add x += y, and
+the scale x *= s (Gemma multiplies the embedding rows by sqrt(d_model), in float32). A
+single float32 add or product per value, the same as NumPy's, so each kernel equals its
+reference bit for bit."""
 from __future__ import annotations
 
 import numpy as np
@@ -33,3 +35,29 @@ def residual(x, y):
         return
     with DeviceArgs() as dev:
         residual_kernel[grid_for(x.size)](dev.write(x), dev.read(y))
+
+
+# --8<-- [start:scale_ref]
+def scale_ref(x,  # (n, d) float32: the residual stream, written
+              s):  # float: rounded to float32 once, as the kernel gets it
+    x *= np.float32(s)
+# --8<-- [end:scale_ref]
+
+
+# --8<-- [start:scale_kernel]
+@cuda.jit(cache=True)
+def scale_kernel(x, s):  # x as scale_ref; s float32
+    lane = cuda.grid(1)  # one value
+    d = x.shape[1]
+    if lane < x.shape[0] * d:
+        x[lane // d, lane % d] *= s
+# --8<-- [end:scale_kernel]
+
+
+def scale(x, s):
+    """Like scale_ref, on the device. A NumPy x is moved and written back."""
+    expect("x", x, np.float32, (None, None))
+    if x.size == 0:
+        return
+    with DeviceArgs() as dev:
+        scale_kernel[grid_for(x.size)](dev.write(x), np.float32(s))

@@ -16,6 +16,11 @@ reciprocal, two products: 6 each) keep the two within 9 u more. So
 |out - ref| <= (d + 8) u |ref|: `rmsnorm_tolerance`. (Both sums are in fact far closer
 than (d - 1) u: pairwise and per-thread runs of d / 32 terms; the bound needs no guess
 about either order.)
+
+Per-head RMS norm (Gemma 3's QK-norm): the fused q|k|v product's rows, each q head's hd
+values normed with q_norm and each k head's with k_norm, the v heads copied. Each head is
+a row of hd values to rmsnorm_ref, and the kernel takes one thread block per (head, row),
+so the bound is the same with d = hd: `rmsnorm_tolerance` of the (n, heads, hd) view.
 """
 from __future__ import annotations
 
@@ -83,3 +88,59 @@ def rmsnorm(x, w, eps, out):
         return
     with DeviceArgs() as dev:
         rmsnorm_kernel[n, THREADS, stream()](dev.read(x), dev.read(w), np.float32(eps), dev.write(out))
+
+
+# --8<-- [start:head_rmsnorm_ref]
+def head_rmsnorm_ref(qkv,      # (n, (n_heads + 2 n_kv) hd) float32: q heads, then k heads, then v heads
+                     q_norm,   # (hd,) float32
+                     k_norm,   # (hd,) float32
+                     eps,      # float
+                     n_heads,  # int
+                     n_kv,     # int
+                     out):     # qkv's shape, float32, C-contiguous, written
+    hd = q_norm.shape[0]
+    heads = qkv.reshape(qkv.shape[0], -1, hd)  # (n, n_heads + 2 n_kv, hd) views: rmsnorm_ref
+    normed = out.reshape(heads.shape)          # norms along the last axis, so a head is a row
+    q, k, v = slice(0, n_heads), slice(n_heads, n_heads + n_kv), slice(n_heads + n_kv, None)
+    rmsnorm_ref(heads[:, q], q_norm, eps, normed[:, q])
+    rmsnorm_ref(heads[:, k], k_norm, eps, normed[:, k])
+    normed[:, v] = heads[:, v]
+# --8<-- [end:head_rmsnorm_ref]
+
+
+# --8<-- [start:head_rmsnorm_kernel]
+@cuda.jit(cache=True)
+def head_rmsnorm_kernel(qkv, q_norm, k_norm,  # shapes as head_rmsnorm_ref
+                        eps,                  # float32
+                        n_heads, n_kv,        # int
+                        out):                 # qkv's shape, float32, written
+    h, i = cuda.blockIdx.x, cuda.blockIdx.y  # one head of one row
+    hd = q_norm.shape[0]
+    start = h * hd  # the head's first column
+    if h >= n_heads + n_kv:  # a v head: copied (the whole block leaves, so no barrier waits for it)
+        for j in range(cuda.threadIdx.x, hd, cuda.blockDim.x):
+            out[i, start + j] = qkv[i, start + j]
+        return
+    w = q_norm if h < n_heads else k_norm
+    squares = float32(0.0)
+    for j in range(cuda.threadIdx.x, hd, cuda.blockDim.x):
+        squares += qkv[i, start + j] * qkv[i, start + j]
+    total = block_sum(squares)  # every thread of the block gets the head's sum
+    inv = inv_rms(total, hd, eps)
+    for j in range(cuda.threadIdx.x, hd, cuda.blockDim.x):
+        out[i, start + j] = qkv[i, start + j] * inv * w[j]
+# --8<-- [end:head_rmsnorm_kernel]
+
+
+def head_rmsnorm(qkv, q_norm, k_norm, eps, n_heads, n_kv, out):
+    """Like head_rmsnorm_ref, on the device. NumPy arguments are moved (out is written back)."""
+    expect("q_norm", q_norm, np.float32, (None,))
+    hd = q_norm.shape[0]
+    expect("k_norm", k_norm, np.float32, (hd,))
+    expect("qkv", qkv, np.float32, (None, (n_heads + 2 * n_kv) * hd))
+    expect("out", out, np.float32, qkv.shape)
+    if qkv.shape[0] == 0:
+        return
+    with DeviceArgs() as dev:
+        head_rmsnorm_kernel[(n_heads + 2 * n_kv, qkv.shape[0]), THREADS, stream()](
+            dev.read(qkv), dev.read(q_norm), dev.read(k_norm), np.float32(eps), n_heads, n_kv, dev.write(out))
