@@ -47,6 +47,15 @@ into ``tests/fixtures/``:
   ``llama_k_quants_meta.json`` (each file's sha256, size and tensor types, and how its
   llama.cpp logits stand against llama.cpp's F32 run).
 
+* ``--gemma3``: Gemma 3 270M (``strata-nb fetch --model gemma3-270m``), the second
+  architecture, teacher-forced with an f32 KV cache over short raw prompts (BOS first) and
+  a long text that crosses the 512-cell sliding window: ``llama_gemma3_logits.npz``
+  (``text_<i>``, ``ids_<i>``, ``topk_ids_<i>``, ``topk_logits_<i>``: top-32 rows; the
+  262,144-wide rows would be 1 MB each) and ``llama_gemma3_meta.json`` (the file's
+  sha256, and llama.cpp's greedy continuations of the short prompts, 24 tokens each, on
+  the file and on its all-F32 copy (``--gemma3-f32``, made by tools/write_f32_gguf.py):
+  ``f32_agrees`` marks the prompts where the two are the same tokens).
+
 How to run
 ----------
     python3 tools/write_f32_gguf.py /tmp/model/SmolLM2-135M-Instruct.Q4_1.gguf \
@@ -480,6 +489,58 @@ def k_quant_fixtures(source: str, t_start: float) -> int:
     return 0
 
 
+GEMMA3_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
+                  "The three primary colors are", "Water boils at", "The largest planet in our solar system is",
+                  "import numpy as np\n", "My favourite season is autumn because"]
+
+
+def greedy_ids(llm: Llama, ids: list[int], n: int = 24) -> list[int]:
+    llm.reset()
+    llm.eval(ids)
+    out: list[int] = []
+    for _ in range(n):
+        nxt = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        if nxt == llm.token_eos():
+            break
+        out.append(nxt)
+        llm.eval([nxt])
+    return out
+
+
+def gemma3_fixtures(path: str, f32_path: str, t_start: float) -> int:
+    """The --gemma3 mode: llama_gemma3_logits.npz and llama_gemma3_meta.json."""
+    f32 = make_llm(f32_path, f32_kv=True)
+    llm = make_llm(path, f32_kv=True)
+    bos = llm.token_bos()
+    doc = DOC_PATH.read_text(encoding="utf-8")
+    texts = GEMMA3_PROMPTS + [doc[:3000]]  # about 640 tokens: past the 512-cell window
+    arrs, greedy_out = {}, []
+    for i, text in enumerate(texts):
+        ids = [bos] + tok(llm, text)
+        r = teacher_forced(llm, ids)
+        arrs |= {f"text_{i}": np.array(text), f"ids_{i}": r["ids"], f"topk_ids_{i}": r["topk_ids"],
+                 f"topk_logits_{i}": r["topk_logits"]}
+        print(f"[gemma3] text {i}: {len(ids)} tokens", flush=True)
+        if i < len(GEMMA3_PROMPTS):
+            out = greedy_ids(llm, ids)
+            greedy_out.append({"prompt": text, "ids": out, "f32_agrees": greedy_ids(f32, ids) == out,
+                               "text": llm.detokenize(out).decode("utf-8", errors="replace")})
+    np.savez_compressed(FIXTURES / "llama_gemma3_logits.npz", **arrs)
+    meta = {
+        "llama_cpp_python_version": llama_cpp.__version__, "numpy": np.__version__,
+        "platform": platform.platform(), "file": Path(path).name, "sha256": sha256(path),
+        "llama_params": {"n_ctx": N_CTX, "n_batch": N_BATCH, "n_threads": N_THREADS, "logits_all": True,
+                         "flash_attn": False, "kv_cache": "f32"},
+        "texts": f"{len(GEMMA3_PROMPTS)} raw prompts and the default document's first 3,000 characters, "
+                 "each after BOS; top-32 rows",
+        "greedy": greedy_out,
+        "script_runtime_s": round(time.time() - t_start, 1),
+    }
+    (FIXTURES / "llama_gemma3_meta.json").write_text(json.dumps(meta, indent=1, ensure_ascii=False) + "\n",
+                                                     encoding="utf-8")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--q4", default=DEFAULT_Q4)
@@ -487,6 +548,9 @@ def main() -> int:
     ap.add_argument("--no-speed", action="store_true")
     ap.add_argument("--moe", action="store_true", help="write only the MoE fixtures")
     ap.add_argument("--k-quants", action="store_true", help="write only the K-quant fixtures")
+    ap.add_argument("--gemma3", metavar="PATH", help="write only the Gemma 3 fixtures, from this file")
+    ap.add_argument("--gemma3-f32", metavar="PATH", default="/tmp/gemma3-270m.F32.gguf",
+                    help="its all-F32 copy (tools/write_f32_gguf.py)")
     for key, spec in MOE_FILES.items():
         ap.add_argument(f"--moe-{key}", default=spec["f32"], help=f"F32 copy of the {key} MoE file")
     args = ap.parse_args()
@@ -494,6 +558,8 @@ def main() -> int:
     t_start = time.time()
     if args.k_quants:
         return k_quant_fixtures(args.q4, t_start)
+    if args.gemma3:
+        return gemma3_fixtures(args.gemma3, args.gemma3_f32, t_start)
     if args.moe:
         return moe_fixtures({key: getattr(args, f"moe_{key}") for key in MOE_FILES}, t_start)
 

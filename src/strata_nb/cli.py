@@ -108,6 +108,10 @@ def run(prompt, max_tokens, temperature, top_k, top_p, seed, raw, stats, **engin
         raise StrataError("the prompt is empty")
     sampling = SamplingSettings(max_tokens, temperature, top_k, top_p, seed)  # check flags before loading
     eng = load_engine(**engine_kw)
+    if not raw and not eng.tokenizer.chat_template:
+        print("strata-nb: this model has no chat template (a base model): sending the prompt as it is",
+              file=sys.stderr)
+        raw = True
     ids = eng.prompt_ids(prompt, chat=not raw)
     # a prompt of several chunks takes seconds before the first token: show it on stderr,
     # gone once the text starts, so stdout holds only the generated text; one update a
@@ -471,6 +475,8 @@ def bench(model, formats, streamed_formats, depths, runs, decode_tokens, check_t
         llama_bench = check_binary(llama_bench)
     folder = _out_folder(out)
     eng = load_engine(model=model, device=device, graph=graph, max_context=max_context, kernels=tiers[0])
+    if eng.be.name == "cuda" and eng.settings.kernels != tiers[0]:  # a family the fast tier does not run:
+        tiers = ("plain",)  # Engine.load said so, and loaded it on the plain tier
     if eng.be.name != "cuda" and tiers != ("fast",):
         raise StrataError("--kernels picks the cuda backend's tiers; the numpy backend (--device cpu) runs the "
                           "references")

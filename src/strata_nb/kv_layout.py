@@ -112,6 +112,26 @@ def shared_blocks_upto(positions: np.ndarray, row=None):
     return np.arange(width, dtype=np.int32).reshape(1, -1) if row is None else row[:, :width]
 
 
+# --8<-- [start:sliding_window]
+def blocks_in_window(positions: np.ndarray, window: int) -> np.ndarray:
+    """(n,) positions -> (n, width) int32: each query's blocks from its window's first
+    position (pos - window + 1) to its own, ascending, -1 padded: what a sliding-window
+    layer reads (attention masks the cells before the window in its first block)."""
+    positions = np.asarray(positions)
+    first = np.maximum(positions - window + 1, 0) // BLOCK
+    last = positions // BLOCK
+    cols = first[:, None] + np.arange(int((last - first).max()) + 1, dtype=np.int32)[None, :]
+    return np.where(cols <= last[:, None], cols, -1).astype(np.int32)
+
+
+def ring_blocks(window: int, rows: int) -> int:
+    """Slots of a sliding-window layer's ring: enough that a pass of `rows` new cells,
+    written before any of its queries attends, overwrites no cell its first query's window
+    still holds. Cells go to slot block % ring, so the ring holds the last ring blocks."""
+    return -(-(window + rows - 1) // BLOCK) + 1
+# --8<-- [end:sliding_window]
+
+
 # --8<-- [start:point]
 def point(page_table, slot_block, block: int, slot: int):
     """Put `block` in `slot`: the slot's old block and the block's old slot are unmapped,

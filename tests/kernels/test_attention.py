@@ -12,7 +12,7 @@ from attention_cases import (GARBAGE_READS, HEAD_DIM, N_BLOCKS, N_HEADS, N_KV, P
 from strata_nb.kernels.attention.attention import ATOL, RTOL, attention, attention_ref
 from strata_nb.kernels.kv.quant_int8 import dequantize_int8_ref
 from strata_nb.kernels.kv.quant_q4_0 import dequantize_q4_0_ref
-from strata_nb.kv_layout import BLOCK, FORMATS, shared_blocks_upto
+from strata_nb.kv_layout import BLOCK, FORMATS, all_blocks_upto, shared_blocks_upto
 
 pytestmark = GARBAGE_READS
 
@@ -152,3 +152,45 @@ def test_ref_is_the_same_bits_from_pool_or_host(fmt):
     assert np.isfinite(outs[0]).all()
     for out in outs[1:]:
         assert out.tobytes() == outs[0].tobytes()
+
+
+# ---- a sliding-window layer (Gemma 3's local layers) ---------------------------------------
+WINDOW = 21  # not a multiple of a block: the window's first block is cut inside
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "k8v4"])
+def test_a_window_cuts_the_cells_before_it(fmt):
+    """window > 0: query i sees the cells in (q_pos[i] - window, q_pos[i]], as llama.cpp's
+    sliding window (a key p0 is masked for query p1 where p1 - p0 >= window). The kernel
+    agrees with the reference, each query's selection reaching past its window (cells
+    the kernel must skip), and the reference with a plain loop over the window's cells."""
+    pool, host = filled_cache(fmt, PAGE_TABLE, n_slots=4)
+    q, q_pos, blocks = queries(8)
+    blocks = all_blocks_upto(q_pos)  # every block from 0: most lie before the window
+    rotate = fmt == "k8v4"
+    args = (fmt, q, q_pos, blocks, PAGE_TABLE, pool, host)
+    want = run(lambda *a: attention_ref(*a, rotate_out=rotate, window=WINDOW), *args)
+    got = run(lambda *a: attention(*a, rotate_out=rotate, window=WINDOW), *args)
+    np.testing.assert_allclose(got, want, atol=ATOL, rtol=RTOL)
+    everything = run(lambda *a: attention_ref(*a, rotate_out=rotate), *args)
+    assert not np.allclose(everything, want, atol=1e-3)  # the window is not a no-op
+    if fmt == "fp16":
+        k, v = dequantized(fmt, host)
+        for i in range(len(q)):
+            cells = list(range(q_pos[i] - WINDOW + 1, q_pos[i] + 1))
+            for h in range(N_HEADS):
+                kv_h = h // (N_HEADS // N_KV)
+                s = k[cells, kv_h].astype(np.float64) @ q[i, h] / np.sqrt(HEAD_DIM)
+                p = np.exp(s - s.max())
+                np.testing.assert_allclose(want[i, h], p @ v[cells, kv_h] / p.sum(), atol=1e-5, rtol=1e-5)
+
+
+def test_a_window_in_a_prompt_chunk_s_shared_row():
+    """A prompt chunk's queries share one row; each is cut at both ends of its window."""
+    fmt = "int8"
+    pool, host = filled_cache(fmt, PAGE_TABLE, n_slots=4)
+    q_pos = np.arange(40, 52, dtype=np.int32)
+    q = np.random.default_rng(6).standard_normal((len(q_pos), N_HEADS, HEAD_DIM), np.float32)
+    args = (fmt, q, q_pos, shared_blocks_upto(q_pos), PAGE_TABLE, pool, host)
+    want = run(lambda *a: attention_ref(*a, window=WINDOW), *args)
+    np.testing.assert_allclose(run(lambda *a: attention(*a, window=WINDOW), *args), want, atol=ATOL, rtol=RTOL)

@@ -111,13 +111,13 @@ def test_a_model_or_context_past_the_step_kernels_stops_before_any_launch():
     from strata_nb.fast import attention_step as st
     from strata_nb.kv_layout import BLOCK
 
-    be, cfg = FastCudaBackend(), SimpleNamespace(head_dim=64, n_heads=8, n_kv_heads=2, n_expert=0)
+    be, cfg = FastCudaBackend(), SimpleNamespace(arch="llama", head_dim=64, n_heads=8, n_kv_heads=2, n_expert=0)
     most = st.max_cells(64, 4)
     be.check_model(cfg, qsa=False, max_context=most)
     with pytest.raises(StrataError, match=f"at most {most:,} cells .*--max-context is {most + 1:,}"):
         be.check_model(cfg, qsa=False, max_context=most + 1)
     with pytest.raises(StrataError, match="built for head_dim"):
-        be.check_model(SimpleNamespace(head_dim=96, n_heads=8, n_kv_heads=2, n_expert=0), qsa=False)
+        be.check_model(SimpleNamespace(arch="llama", head_dim=96, n_heads=8, n_kv_heads=2, n_expert=0), qsa=False)
     per_split = min(st.STEP_BLOCKS_PER_SPLIT, st.split_fits(64))
     assert st.padded_splits(most // BLOCK, per_split, 64, 4) * 4 <= st.K_TILE_VALUES
     assert st.padded_splits(most // BLOCK + 1, per_split, 64, 4) * 4 > st.K_TILE_VALUES

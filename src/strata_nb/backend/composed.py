@@ -11,7 +11,7 @@ from __future__ import annotations
 
 
 class ComposedOps:
-    """Needs the backend's matmul, rmsnorm, rope_qkv, swiglu and add_."""
+    """Needs the backend's matmul, rmsnorm, head_rmsnorm, rope_qkv, swiglu and add_."""
 
     # --8<-- [start:composed_ops]
     def normed_matmul(self, x, norm, eps: float, w, ahead=None):
@@ -19,10 +19,14 @@ class ComposedOps:
         return self.matmul(self.rmsnorm(x, norm, eps), w)
 
     def normed_matmul_rope(self, x, norm, eps: float, w, cos, sin, n_heads: int, n_kv: int, hd: int, ahead=None,
-                           append=None):
+                           append=None, qk_norm=None):
         # rmsnorm(x) @ Wqkv.T, then RoPE on its q and k heads -> q, k, v; k and v written
-        # to the cache when given where (kv/writer.py: Append)
-        q, k, v = self.rope_qkv(self.normed_matmul(x, norm, eps, w), cos, sin, n_heads, n_kv, hd)
+        # to the cache when given where (kv/writer.py: Append). qk_norm: (q_norm, k_norm),
+        # each q and k head RMS-normed before RoPE (Gemma 3)
+        qkv = self.normed_matmul(x, norm, eps, w)
+        if qk_norm is not None:
+            qkv = self.head_rmsnorm(qkv, *qk_norm, eps, n_heads, n_kv)
+        q, k, v = self.rope_qkv(qkv, cos, sin, n_heads, n_kv, hd)
         if append is not None:
             append.write(self, k, v)
         return q, k, v

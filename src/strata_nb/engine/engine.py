@@ -36,6 +36,7 @@ from .sampling import sample
 from .verify_window import VerifyWindow
 
 
+FAST_ARCHS = ("llama",)  # the families the fast tier's kernels are built for; others run plain
 REPETITION_STOP = 256  # a reply that repeats one token this many times in a row is stopped (as Strata's)
 # Decode steps a run's stats time apart from the rest: on a GPU the first runs its kernels
 # one by one and the second captures the CUDA graph the others replay.
@@ -149,7 +150,15 @@ class Engine:
                             max_context=max_context, **more)
         path = model_path(settings.model)
         t0 = time.perf_counter()
-        eng = cls(settings, GGUFModel(path), get_backend(settings.device, settings.kernels))
+        model = GGUFModel(path)
+        plain_only = model.config.arch not in FAST_ARCHS and settings.kernels == "fast"
+        if plain_only:
+            settings.kernels = "plain"
+        be = get_backend(settings.device, settings.kernels)
+        if plain_only and be.name == "cuda":
+            print(f"strata-nb: the fast tier runs {', '.join(FAST_ARCHS)} models; this {model.config.arch} model runs "
+                  "on the plain tier", file=sys.stderr)
+        eng = cls(settings, model, be)
         eng.load_seconds = time.perf_counter() - t0
         return eng
 
@@ -216,14 +225,22 @@ class Engine:
 
     # --8<-- [start:prompt_ids]
     def prompt_ids(self, prompt: str, chat: bool = True) -> list[int]:
+        """A prompt's ids: in the model's chat template (chat), or as it is; BOS first where
+        the model asks for one (Gemma)."""
         if not prompt.strip():
             raise StrataError("the prompt is empty")
         text = self.tokenizer.render_chat([{"role": "user", "content": prompt}]) if chat else prompt
-        ids = self.tokenize(text)
+        ids = self.with_bos(self.tokenize(text))
         if len(ids) >= self.settings.max_context:
             raise SettingError("max_context", f"{self.settings.max_context} does not fit the prompt's {len(ids)} "
                                               "tokens (leave room for at least one new token)")
         return ids
+
+    def with_bos(self, ids: list[int]) -> list[int]:
+        """ids with the model's BOS in front, where its file asks for one and they lack it
+        (a chat template may write it already)."""
+        t = self.tokenizer
+        return [t.bos_id] + ids if t.add_bos and t.bos_id is not None and ids[:1] != [t.bos_id] else ids
     # --8<-- [end:prompt_ids]
 
     # ---- the verbs ----------------------------------------------------------------------

@@ -28,20 +28,33 @@ def forward(be, w: ModelWeights, kv, ids, positions, prompt: bool, all_logits: b
     n, eps = len(ids), cfg.rms_eps
     pos = be.asarray(positions)
     x = be.embed(w.token_embd, be.asarray(ids))  # (n, d) the residual stream
-    cos, sin = be.embed(w.rope_cos, pos), be.embed(w.rope_sin, pos)  # (n, hd/2)
+    if cfg.embed_scale != 1:  # Gemma: x *= sqrt(d)
+        be.scale_(x, cfg.embed_scale)
+    rope = {False: (be.embed(w.rope_cos, pos), be.embed(w.rope_sin, pos))}  # (n, hd/2) cos, sin
+    if w.rope_cos_local is not None:  # Gemma 3's local layers turn at a base of their own
+        rope[True] = (be.embed(w.rope_cos_local, pos), be.embed(w.rope_sin_local, pos))
     with be.rows_alone(prompt and kv.rows_alone):  # each prompt row as in any chunk (engine/prompt_chunk.py)
         for layer, L in enumerate(w.layers):
             after = w.layers[layer + 1].wqkv if layer + 1 < len(w.layers) else w.output  # the next product
-            # q (n, n_heads, hd), k and v (n, n_kv, hd): the q|k|v product, its q and k roped,
-            # k and v appended to the cache: host copy + VRAM through the one writer
+            cos, sin = rope[cfg.local(layer) and True in rope]
+            # q (n, n_heads, hd), k and v (n, n_kv, hd): the q|k|v product, (Gemma) its q and
+            # k heads normed, its q and k roped, k and v appended to the cache: host copy +
+            # VRAM through the one writer
             q, k, v = be.normed_matmul_rope(x, L.attn_norm, eps, L.wqkv, cos, sin, cfg.n_heads, cfg.n_kv_heads,
-                                            cfg.head_dim, ahead=L.wo, append=kv.append_to(layer, positions, prompt))
-            a = kv.attend(layer, q, positions, prompt)  # (n, n_heads, hd)
-            be.matmul_add_(x, a.reshape(n, cfg.n_heads * cfg.head_dim), L.wo,  # x += a Wo
-                           ahead=L.wgate_up if L.router is None else L.router)
+                                            cfg.head_dim, ahead=L.wo, append=kv.append_to(layer, positions, prompt),
+                                            qk_norm=None if L.q_norm is None else (L.q_norm, L.k_norm))
+            a = kv.attend(layer, q, positions, prompt).reshape(n, cfg.n_heads * cfg.head_dim)  # (n, n_heads hd)
+            if L.post_attn_norm is None:  # x += a Wo
+                be.matmul_add_(x, a, L.wo, ahead=L.wgate_up if L.router is None else L.router)
+            else:  # Gemma: x += rmsnorm(a Wo)
+                be.add_(x, be.rmsnorm(be.matmul(a, L.wo), L.post_attn_norm, eps))
             if L.router is None:  # a dense FFN
                 gate_up = be.normed_matmul(x, L.ffn_norm, eps, L.wgate_up, ahead=L.wdown)  # (n, 2 ff)
-                be.gated_matmul_add_(x, gate_up, L.wdown, ahead=after)  # x += swiglu(gate_up) Wdown
+                if L.post_ffn_norm is None:
+                    be.gated_matmul_add_(x, gate_up, L.wdown, ahead=after)  # x += swiglu(gate_up) Wdown
+                else:  # Gemma: x += rmsnorm(geglu(gate_up) Wdown)
+                    gated = be.geglu(gate_up) if cfg.gate == "gelu_tanh" else be.swiglu(gate_up)
+                    be.add_(x, be.rmsnorm(be.matmul(gated, L.wdown), L.post_ffn_norm, eps))
             else:  # experts: each token's K of E SwiGLU FFNs, weighted by the router, from the expert cache
                 be.moe_ffn_add_(x, L.ffn_norm, eps, L.router, w.experts, layer, ahead=after, last=last)
     if not all_logits:  # one row's logits: row last[0], gathered on the device, or the last row

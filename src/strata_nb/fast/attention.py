@@ -36,7 +36,7 @@ def ordered_rows(blocks: np.ndarray) -> bool:
 
 @twin_of(plain.attention)
 def attention(fmt, q, q_pos, blocks, page_table, pool, host, out, rotate_out: bool = False,
-              ordered: bool | None = None, rows_alone: bool = False, *, per_split: int | None = None,
+              ordered: bool | None = None, rows_alone: bool = False, window: int = 0, *, per_split: int | None = None,
               combine_groups: int = COMBINE_GROUPS, tile: int | None = None, mma: bool | None = None):
     """Like attention_ref, on the device; NumPy arguments are moved (out written back).
 
@@ -57,6 +57,7 @@ def attention(fmt, q, q_pos, blocks, page_table, pool, host, out, rotate_out: bo
     rows and tiles under the simulator. mma: a prompt chunk's tiles run the tensor-core
     kernel (attention_prefill_mma.py) instead; None = where tensor_core.enabled() and it
     can run, True = it must."""
+    assert window == 0, "the fast tier's attention has no sliding window: check_model stops such a model"
     n_kv, host = plain.check_attention(fmt, q, q_pos, blocks, page_table, pool, host, out, rotate_out)
     n_q, n_heads, head_dim = q.shape
     group = n_heads // n_kv

@@ -24,11 +24,11 @@ import math
 import numpy as np
 from numba import cuda, float32, int32, uint64
 
-from strata_nb.fast.attention_step import HEAD_DIMS
+from strata_nb.fast.attention_step import HEAD_DIMS, MAX_HEAD_DIM
 from strata_nb.gpu.geometry import (PROMPT_ALONE_BLOCKS_PER_SPLIT, PROMPT_ALONE_COMBINE_GROUPS,
                                     PROMPT_BLOCKS_PER_SPLIT, PROMPT_ROW_GROUPS, PROMPT_TILE_ROWS)
 from strata_nb.gpu.launch import device_empty, stream
-from strata_nb.kernels.attention.attention import MAX_HEAD_DIM, NEG_INF
+from strata_nb.kernels.attention.attention import NEG_INF
 from strata_nb.kernels.kv.hadamard import hadamard
 from strata_nb.kernels.kv.kv_readers import READERS, SIDES
 from strata_nb.kv_layout import BLOCK

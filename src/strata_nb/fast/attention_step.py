@@ -67,13 +67,14 @@ from strata_nb.fast.dependent_launch import let_next_start, wait_for_inputs, wai
 from strata_nb.gpu.geometry import MERGE_UNROLL, SIMULATED, STEP_THREADS, multiprocessors
 from strata_nb.gpu.launch import device_empty, last_to_arrive, stream, ticket_counters
 from strata_nb.gpu.reduce import WARP, warp_max, warp_sum
-from strata_nb.kernels.attention.attention import MAX_HEAD_DIM, NEG_INF
+from strata_nb.kernels.attention.attention import NEG_INF
 from strata_nb.kernels.kv.hadamard import N as HADAMARD_N, SCALE as HADAMARD_SCALE
 from strata_nb.kernels.kv.kv_readers import READERS, SIDES
 from strata_nb.kv_layout import BLOCK
 
 MAX_GROUP = 8  # query heads per KV head the shared arrays hold
 HEAD_DIMS = (32, 64, 128)  # head_dim is compiled into the kernel: these are built
+MAX_HEAD_DIM = max(HEAD_DIMS)  # the widest head row the fast tier's shared arrays hold
 Q_VALUES = MAX_GROUP * MAX_HEAD_DIM  # the G query rows of one KV head
 MAX_SPLIT_BLOCKS = 8
 MAX_SPLIT_CELLS = MAX_SPLIT_BLOCKS * BLOCK

@@ -70,6 +70,8 @@ class FastCudaBackend(CudaBackend):
         its first launch; so does a mixture of more experts than the router kernel holds."""
         from . import attention_step
 
+        if cfg.arch != "llama":
+            raise StrataError(f"the fast tier runs llama models; this one is {cfg.arch} (use --kernels plain)")
         super().check_model(cfg, qsa, max_context)
         group = cfg.n_heads // cfg.n_kv_heads
         if cfg.head_dim not in attention_step.HEAD_DIMS or group > attention_step.MAX_GROUP:
@@ -205,7 +207,8 @@ class FastCudaBackend(CudaBackend):
         return y
 
     def normed_matmul_rope(self, x, norm, eps: float, w: DeviceMatrix, cos, sin, n_heads: int, n_kv: int, hd: int,
-                           ahead: DeviceMatrix | None = None, append=None):
+                           ahead: DeviceMatrix | None = None, append=None, qk_norm=None):
+        assert qk_norm is None, "the fast tier runs no QK-norm: check_model stops such a model"
         # A decode step's q|k|v: one matvec with the norm before and RoPE after, and for
         # fp16/fp32 cells the append in its epilogue. q, k and v are then views of its one
         # output row. Several rows interleave the heads, so a verify window or prompt chunk

@@ -1,7 +1,10 @@
 """The KV cache: every layer's pool, page table and, when streaming, host copy and slots.
 
 Fully resident (`--kv-resident 0`): a layer's pool has a slot for every block of the
-context and its page table is the identity. Streaming (`--kv-resident N`): the host copy
+context and its page table is the identity. A sliding-window layer (Gemma 3's local
+layers) reads only its last `window` positions, so its pool is a ring of a few more
+blocks than the window, block b in slot b % ring, resident whatever `--kv-resident` says:
+streaming and QSA are for the layers that see the whole context. Streaming (`--kv-resident N`): the host copy
 holds every block and is authoritative; the pool holds the ring (recent window) and the
 slot pool (older blocks, CLOCK); a prompt chunk attends over a staging pool. The engine
 above only calls `append` and `attend`; both modes run the same kernels on the same bytes,
@@ -22,7 +25,8 @@ from ..kernels.kv.key_sketch import sketch_shape
 from ..kernels.step.block_scores import block_scores, block_scores_ref
 from ..fast.map_ring import map_ring, map_ring_ref
 from ..kernels.step.select_rows import select_rows, select_rows_ref, select_width
-from ..kv_layout import BLOCK, all_blocks_upto, kv_block_bytes, pool_arrays, rotates, shared_blocks_upto
+from ..kv_layout import (BLOCK, all_blocks_upto, blocks_in_window, kv_block_bytes, pool_arrays, ring_blocks, rotates,
+                         shared_blocks_upto)
 from . import snapshot
 from .plan import StreamPlan
 from .slots import SlotTable, StreamCounters
@@ -33,18 +37,26 @@ from .writer import Append, KVDest
 class LayerKV(KVDest):
     """One layer: the pool ("VRAM", by slot), its page table, the host copy (by block)."""
 
-    def __init__(self, be, fmt, n_kv, head_dim, n_blocks, plan: StreamPlan | None, qsa: bool, maps=None):
+    def __init__(self, be, fmt, n_kv, head_dim, n_blocks, plan: StreamPlan | None, qsa: bool, maps=None,
+                 window: int = 0, ring: int = 0):
         """maps: streaming, this layer's rows of the cache's device maps (page table, slot ->
-        block), as SlotTable starts them: nothing mapped."""
+        block), as SlotTable starts them: nothing mapped. window: a sliding-window layer's
+        (its queries see their last `window` positions), else 0; ring: its slots, block b
+        in slot b % ring (0: a slot for every block), with neither plan nor QSA."""
+        assert not ring or (plan is None and not qsa), "a ring layer neither streams nor selects"
+        self.window, self.ring = window, ring
         arrays = pool_arrays(fmt, head_dim)
-        n_slots = n_blocks if plan is None else plan.n_ring + plan.n_pool
+        # --8<-- [start:ring_pool]
+        n_slots = ring or (n_blocks if plan is None else plan.n_ring + plan.n_pool)
         pool = {a.field: be.zeros((n_slots, n_kv, BLOCK, a.per_head), a.dtype) for a in arrays}
         host = None if plan is None else {
             a.field: be.host_array((n_blocks, n_kv, BLOCK, a.per_head), a.dtype) for a in arrays}
         self.slots = None if plan is None else SlotTable(n_blocks, plan.n_ring, plan.n_pool)
         # slot -> block, the page table's inverse, in device memory too: a replayed step
         # moves the ring there (fast/map_ring.py)
-        table, self.slot_block = (be.asarray(np.arange(n_blocks, dtype=np.int32)), None) if plan is None else maps
+        table, self.slot_block = (be.asarray(np.arange(n_blocks, dtype=np.int32) % n_slots), None) if plan is None \
+            else maps
+        # --8<-- [end:ring_pool]
         super().__init__(pool, table, host)
         # QSA's key sketch: every cell's K in q4_0, in VRAM for the whole context
         self.sketch = be.zeros(sketch_shape(n_blocks, n_kv, head_dim), np.uint8) if qsa else None
@@ -67,10 +79,17 @@ class KVCache:
         self.maps = None if self.plan is None else tuple(
             be.asarray(np.full((cfg.n_layers, n), -1, np.int32))
             for n in (self.n_blocks, self.plan.n_ring + self.plan.n_pool))
-        self.layers = [LayerKV(be, self.fmt, cfg.n_kv_heads, cfg.head_dim, self.n_blocks, self.plan,
-                               qsa=self.qsa_budget > 0,
-                               maps=None if self.maps is None else (self.maps[0][i], self.maps[1][i]))
+        # --8<-- [start:rings]
+        # a sliding-window layer's ring, where it is smaller than the context
+        ring = ring_blocks(cfg.window, max(settings.prefill_chunk or 256, settings.spec + 1)) if cfg.window else 0
+        ring = ring if ring < self.n_blocks else 0
+        self.layers = [LayerKV(be, self.fmt, cfg.n_kv_heads, cfg.head_dim, self.n_blocks,
+                               None if cfg.local(i) and ring else self.plan,
+                               qsa=self.qsa_budget > 0 and not (cfg.local(i) and ring),
+                               maps=None if self.maps is None else (self.maps[0][i], self.maps[1][i]),
+                               window=cfg.window if cfg.local(i) else 0, ring=ring if cfg.local(i) else 0)
                        for i in range(cfg.n_layers)]
+        # --8<-- [end:rings]
         identity = be.asarray(np.arange(self.n_blocks, dtype=np.int32))
         self.stage = None if self.plan is None else KVDest(
             {f: be.zeros((self.n_blocks,) + tuple(a.shape[1:]), a.dtype)
@@ -105,11 +124,13 @@ class KVCache:
         return self._counters
 
     def describe(self) -> str:
+        rings = [L for L in self.layers if L.ring]
+        local = f"; {len(rings)} sliding-window layers keep a ring of {rings[0].ring * BLOCK} cells" if rings else ""
         if not self.streamed:
-            return f"KV fully resident: {self.n_blocks * BLOCK} cells per layer in VRAM"
-        host_bytes = self.block_bytes * self.n_blocks * self.cfg.n_layers
+            return f"KV fully resident: {self.n_blocks * BLOCK} cells per layer in VRAM{local}"
+        host_bytes = self.block_bytes * self.n_blocks * (len(self.layers) - len(rings))
         return (f"KV streaming: {self.plan.resident_cells} of {self.n_blocks * BLOCK} cells per layer in VRAM, "
-                f"the K/V in {host_bytes / 2**30:.2f} GiB of pinned RAM")
+                f"the K/V in {host_bytes / 2**30:.2f} GiB of pinned RAM{local}")
 
     # ---- the two verbs the forward pass calls -------------------------------------------
     # --8<-- [start:append]
@@ -126,7 +147,7 @@ class KVCache:
             if layer == 0:  # the pass's first append moves every layer's ring, on the device, onto
                 # its last cell's block: a window of T <= BLOCK cells enters a new block at its first cell
                 self.be.op(map_ring_ref, map_ring)(pos[len(pos) - 1:], *self.maps, self.plan.n_ring)
-        elif self.streamed:
+        elif self.streamed and not L.ring:
             self.sync_from_device()
             first, last = int(positions[0]), int(positions[-1])
             refill = L.slots.map_ring(first, last)  # the ring follows the writes
@@ -173,13 +194,16 @@ class KVCache:
         elif on_device:  # a decode step or a verify window
             assert self.step is not None, "device positions are for the cuda backend"
             blocks, src = self.step.select(L, q, positions), L  # misses are read in place
+        elif prompt and L.window:  # a sliding-window layer's chunk: its first query's window on, from the ring
+            first = max(int(positions[0]) - L.window + 1, 0) // BLOCK
+            blocks, src = shared_blocks_upto(positions, self._block_row)[:, first:], L
         elif prompt:  # a prompt chunk reads every earlier cell: the pool, or the stage when streaming
             # blocks 0..last as one row every query shares, a view of a device array made once
             blocks = shared_blocks_upto(positions, self._block_row)
             src = self.stage if self.streamed else L
         else:
             blocks, src = self.select(L, q, positions), L
-            if self.streamed:
+            if self.streamed and not L.ring:
                 self.sync_from_device()
                 copies = L.slots.resolve(blocks, self._counters)
                 self._move(L.host, L.pool, copies)
@@ -192,15 +216,20 @@ class KVCache:
         # applied by the kernel that writes it
         # ordered: a step's device list ascends, -1 padded at the end, as NumPy ones do
         # rows_alone: a prompt cell's bytes do not depend on the chunk that computed it
+        # window: a sliding-window layer's queries see only their last `window` positions
         self._attention(self.fmt, q, self._on_device(positions), blocks, src.page_table, src.pool, src.host, out,
-                        rotate_out="v" in rotates(self.fmt), ordered=True, rows_alone=prompt and self.rows_alone)
+                        rotate_out="v" in rotates(self.fmt), ordered=True, rows_alone=prompt and self.rows_alone,
+                        window=L.window)
         return out
     # --8<-- [end:attend]
 
     # --8<-- [start:select]
     def select(self, L, q, positions) -> np.ndarray:
-        """(n_q, max_sel) int32, -1 padded: every block up to each query, or QSA's picks
-        from the blocks' scores (select_rows_ref, the host policy)."""
+        """(n_q, max_sel) int32, -1 padded: every block up to each query (in a sliding-window
+        layer, those of its window), or QSA's picks from the blocks' scores (select_rows_ref,
+        the host policy)."""
+        if L.window:
+            return blocks_in_window(positions, L.window)
         if self.qsa_budget == 0:
             return all_blocks_upto(positions)
         positions = np.asarray(positions, np.int32)
@@ -238,6 +267,8 @@ class KVCache:
             return
         self.sync_from_device()
         for L in self.layers:
+            if L.ring:
+                continue
             refill = L.slots.map_ring(pos, pos)
             self._move(L.host, L.pool, refill)
             self._counters.refills += len(refill)
@@ -261,6 +292,8 @@ class KVCache:
         if self.streamed:  # every layer's maps in one copy each: they are rows of self.maps
             page_tables, slot_blocks = (self.be.to_numpy(m) for m in self.maps)
             for L, page_table, slot_block in zip(self.layers, page_tables, slot_blocks):
+                if L.ring:
+                    continue
                 L.slots.page_table[:] = page_table
                 L.slots.slot_block[:] = slot_block
             looked, missing, selections = (int(c) for c in self.be.to_numpy(self.step.counts))

@@ -2,6 +2,8 @@
 
 A restore rewrites the host copy wholesale (or the resident pool), so it resets the slot
 table and refills the ring from the host copy: nothing in VRAM can be stale after it.
+A sliding-window layer's ring (kv/cache.py) is taken and put back whole: it holds the
+last blocks, the only ones the layer reads again.
 """
 from __future__ import annotations
 
@@ -21,11 +23,13 @@ def snapshot(cache, end: int, layers: list[int] | None = None, into: np.ndarray 
     range, serve/host_arena.py); None: new arrays."""
     nb = -(-end // BLOCK)
     cache.sync_from_device()
-    sources = [fields(cache, L) for L in (cache.layers if layers is None else [cache.layers[i] for i in layers])]
+    taken = cache.layers if layers is None else [cache.layers[i] for i in layers]
+    sources, rows = [fields(cache, L) for L in taken], [kept_blocks(L, nb) for L in taken]
     if into is None:
-        saved = [{f: blocks_on_host(cache.be, a, nb) for f, a in src.items()} for src in sources]
+        saved = [{f: blocks_on_host(cache.be, a, n) for f, a in src.items()} for src, n in zip(sources, rows)]
     else:
-        places = iter(carve(into, [((nb,) + a.shape[1:], a.dtype) for src in sources for a in src.values()]))
+        places = iter(carve(into, [((n,) + a.shape[1:], a.dtype) for src, n in zip(sources, rows)
+                                   for a in src.values()]))
         saved = [{f: next(places) for f in src} for src in sources]
         cache.be.copy_batch([(saved_layer[f], a) for src, saved_layer in zip(sources, saved)
                              for f, a in src.items()], to_host=True)  # each a's first nb blocks
@@ -34,16 +38,22 @@ def snapshot(cache, end: int, layers: list[int] | None = None, into: np.ndarray 
 
 def fields(cache, L) -> dict:
     """A layer's arrays a snapshot takes: the host copy's (or the resident pool's) and the sketch."""
-    src = dict(L.host if cache.streamed else L.pool)
+    src = dict(L.host if cache.streamed and not L.ring else L.pool)
     if L.sketch is not None:
         src["sketch"] = L.sketch
     return src
 
 
+def kept_blocks(L, nb: int) -> int:
+    """The rows of a layer's arrays a snapshot of nb blocks takes: nb, or a ring's slots."""
+    return min(nb, L.ring) if L.ring else nb
+
+
 def snapshot_nbytes(cache, end: int) -> int:
     """The bytes of a buffer that snapshot(cache, end, into=...) fills."""
     nb = -(-end // BLOCK)
-    return sum(aligned(nb * (a.nbytes // a.shape[0])) for L in cache.layers for a in fields(cache, L).values())
+    return sum(aligned(kept_blocks(L, nb) * (a.nbytes // a.shape[0]))
+               for L in cache.layers for a in fields(cache, L).values())
 
 
 def blocks_on_host(be, a, nb: int) -> np.ndarray:
@@ -87,7 +97,7 @@ def restore(cache, snap: dict):
         to_store += [(saved[f], a) for f, a in fields(cache, L).items()]
     cache.be.copy_batch(to_store, to_host=False)
     if cache.streamed:  # the ring, from the host copy just written
-        for L in cache.layers:
+        for L in (L for L in cache.layers if not L.ring):
             for f in L.pool:
                 cache.be.op(ring_restore_ref, ring_restore)(as_words(L.host[f]), as_words(L.pool[f]), end_block, cache.plan.n_ring)
             L.slots.reset_to_ring(end_block)

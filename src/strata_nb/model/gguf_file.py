@@ -16,7 +16,7 @@ import numpy as np
 from ..errors import StrataError
 from .dequant import SUPPORTED
 
-ARCHITECTURES = ("llama",)
+ARCHITECTURES = ("llama", "gemma3")
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +36,22 @@ class ModelConfig:
     context_length: int  # trained context (8192)
     n_expert: int = 0  # experts per FFN (llama.expert_count); 0 = a dense FFN
     n_expert_used: int = 0  # experts each token is routed to, k (llama.expert_used_count)
+    # --8<-- [start:family]
+    # What a second family (Gemma 3) changes; a llama model keeps every default.
+    arch: str = "llama"
+    embed_scale: float = 1.0  # the embedding rows times this (Gemma: sqrt(d_model))
+    qk_norm: bool = False  # each q and k head RMS-normed before RoPE (attn_q_norm, attn_k_norm)
+    post_norms: bool = False  # attention's and the FFN's outputs RMS-normed before their residual adds
+    gate: str = "silu"  # the FFN's gate: silu (SwiGLU) or gelu_tanh (GeGLU)
+    rope_halves: bool = False  # RoPE turns (i, i + hd/2) (NeoX); llama's converter made llama's (2i, 2i+1)
+    window: int = 0  # a local layer's keys: the last `window` positions (Gemma 3: 512); 0 = none
+    global_every: int = 0  # with a window, every global_every-th layer sees every cell (Gemma 3: 6)
+    rope_base_local: float = 0.0  # a local layer's RoPE base (Gemma 3: 10000)
+
+    def local(self, layer: int) -> bool:
+        """Does `layer` see only the last `window` positions (a sliding-window layer)?"""
+        return self.window > 0 and (layer + 1) % self.global_every != 0
+    # --8<-- [end:family]
 
     def __post_init__(self):
         if self.n_heads % self.n_kv_heads:
@@ -200,6 +216,12 @@ class GGUFModel:
         d_model = int(a("embedding_length"))
         tokens = self.metadata("tokenizer.ggml.tokens")
         vocab = int(a("vocab_size", len(tokens) if tokens is not None else None))
+        head_dim = int(a("attention.key_length", a("rope.dimension_count", d_model // n_heads)))
+        family = {}
+        if arch == "gemma3":  # what llama.cpp's gemma3 graph does beyond llama's (docs: two-models.md)
+            family = dict(arch=arch, embed_scale=float(np.sqrt(np.float32(d_model))), qk_norm=True, post_norms=True,
+                          gate="gelu_tanh", rope_halves=True, window=int(a("attention.sliding_window")),
+                          global_every=6, rope_base_local=10000.0)
         return ModelConfig(
             name=str(self.metadata("general.name", self.path.stem)),
             n_layers=int(a("block_count")),
@@ -207,13 +229,14 @@ class GGUFModel:
             d_ff=int(a("feed_forward_length")),
             n_heads=n_heads,
             n_kv_heads=int(a("attention.head_count_kv", n_heads)),
-            head_dim=int(a("rope.dimension_count", d_model // n_heads)),
+            head_dim=head_dim,
             rope_base=float(a("rope.freq_base", 10000.0)),
             rms_eps=float(a("attention.layer_norm_rms_epsilon", 1e-5)),
             vocab_size=vocab,
             context_length=int(a("context_length", 2048)),
             n_expert=int(a("expert_count", 0)),
             n_expert_used=int(a("expert_used_count", 0)),
+            **family,
         )
 
     def tensor(self, name: str, shape: tuple[int, int] | None = None) -> QTensor:

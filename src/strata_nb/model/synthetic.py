@@ -1,4 +1,4 @@
-"""Write a llama-architecture GGUF with random weights.
+"""Write a llama-architecture (or Gemma 3) GGUF with random weights.
 
 Tests use tiny ones (a file in milliseconds, a forward pass in microseconds); benchmarks use
 one with the default model's shapes, since only the shapes decide the speed. The vocabulary
@@ -24,9 +24,11 @@ def write_synthetic_gguf(path: str | Path, *, n_layers: int = 2, d_model: int = 
                          n_heads: int = 2, n_kv_heads: int = 1, head_dim: int = 64, context: int = 512,
                          qtype: str = "Q4_1", seed: int = 0, tokens: list[str] | None = None,
                          merges: list[str] | None = None, extra_tensor: tuple | None = None,
-                         architecture: str = "llama") -> Path:
+                         architecture: str = "llama", window: int = 32, chat_template: bool = True) -> Path:
     """Write the file and return its path. `extra_tensor=(name, array, GGMLQuantizationType)`
-    adds one raw tensor (used to test the unsupported-type error)."""
+    adds one raw tensor (used to test the unsupported-type error). architecture "gemma3":
+    Gemma 3's tensors and keys too (QK-norms, post-norms, a sliding `window`; every sixth
+    layer global, as llama.cpp has it). chat_template False: a base model's file, without one."""
     import gguf
 
     rng = np.random.default_rng(seed)
@@ -43,7 +45,7 @@ def write_synthetic_gguf(path: str | Path, *, n_layers: int = 2, d_model: int = 
     w.add_head_count(n_heads)
     w.add_head_count_kv(n_kv_heads)
     w.add_rope_dimension_count(head_dim)
-    w.add_rope_freq_base(10000.0)
+    w.add_rope_freq_base(1e6 if architecture == "gemma3" else 10000.0)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(len(tokens))
     w.add_tokenizer_model("gpt2")
@@ -54,7 +56,13 @@ def write_synthetic_gguf(path: str | Path, *, n_layers: int = 2, d_model: int = 
     w.add_eos_token_id(tokens.index("<|im_end|>"))
     w.add_bos_token_id(tokens.index("<|im_start|>"))
     w.add_add_bos_token(False)
-    w.add_chat_template(CHATML)
+    if chat_template:
+        w.add_chat_template(CHATML)
+    gemma = architecture == "gemma3"
+    if gemma:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+        w.add_sliding_window(window)
 
     def matrix(name, rows, cols, q=qtype, scale=0.08):
         t = getattr(gguf.GGMLQuantizationType, q)
@@ -78,6 +86,11 @@ def write_synthetic_gguf(path: str | Path, *, n_layers: int = 2, d_model: int = 
         matrix(p + "attn_v.weight", kd, d_model)
         matrix(p + "attn_output.weight", d_model, qd)
         norm(p + "ffn_norm.weight", d_model)
+        if gemma:
+            norm(p + "attn_q_norm.weight", head_dim)
+            norm(p + "attn_k_norm.weight", head_dim)
+            norm(p + "post_attention_norm.weight", d_model)
+            norm(p + "post_ffw_norm.weight", d_model)
         matrix(p + "ffn_gate.weight", d_ff, d_model)
         matrix(p + "ffn_up.weight", d_ff, d_model)
         matrix(p + "ffn_down.weight", d_model, d_ff)

@@ -12,6 +12,7 @@ import asyncio
 import itertools
 import json
 import socket
+import sys
 import threading
 import time
 from contextlib import asynccontextmanager
@@ -39,6 +40,12 @@ def create_app(engine, model_id: str, conversation_cache_mib: float = 0, convers
     # cells are reused in whole prompt chunks, or from any token where a prompt row's bytes
     # do not depend on its chunk (engine/prompt_chunk.py: rows alone)
     granule = 1 if engine.kv.rows_alone else engine.settings.prefill_chunk
+    if conversation_cache_mib and any(L.ring for L in engine.kv.layers):
+        # a sliding-window layer keeps only its ring, the cells of the latest positions: a
+        # parked prefix's window is gone by the time a request would resume it
+        print("strata-nb: the conversation cache is off: this model's sliding-window layers keep only their last "
+              "cells, not a prefix's", file=sys.stderr)
+        conversation_cache_mib = 0
     conversations = ConversationCache(engine.kv, granule, int(conversation_cache_mib * 2**20), conversation_fault)
     worker = EngineWorker(engine, conversations)
     served: dict = {}  # (endpoint, status) -> requests
@@ -72,7 +79,7 @@ def create_app(engine, model_id: str, conversation_cache_mib: float = 0, convers
                              "model", "model_not_found")
         if engine.settings.spec and body.temperature != 0:
             raise BadRequest(400, "this server verifies drafts (--spec): it needs temperature 0", "temperature")
-        prompt = engine.tokenize(text)
+        prompt = engine.with_bos(engine.tokenize(text))
         context = engine.settings.max_context
         if len(prompt) >= context:
             raise BadRequest(400, f"the prompt is {len(prompt)} tokens; the context holds {context}, and at least one "
@@ -162,6 +169,9 @@ def create_app(engine, model_id: str, conversation_cache_mib: float = 0, convers
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await parse(request, ChatRequest)
+        if not engine.tokenizer.chat_template:
+            raise BadRequest(400, f"the model '{model_id}' has no chat template (a base model): it serves "
+                                  "/v1/completions, not chat", "messages", "model_not_chat")
         try:
             text = engine.tokenizer.render_chat([dict(role=m.role, content=m.text()) for m in body.messages])
         except StrataError as e:

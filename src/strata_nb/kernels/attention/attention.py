@@ -6,7 +6,8 @@ Index legend: Q queries, H query heads, G = H // n_kv query heads per KV head (G
 D head_dim, S selected blocks per query, U the union of all queries' selected blocks,
 C = U * 16 cells.
 
-Query i, head h attends to the cells of its selected blocks whose position is <= q_pos[i],
+Query i, head h attends to the cells of its selected blocks whose position is <= q_pos[i]
+(and, in a sliding-window layer, > q_pos[i] - window: the last `window` positions),
 through KV head h // G, with scores q.k / sqrt(D) and a softmax over those cells. A block
 b is read from the VRAM pool at slot page_table[b] when resident, else in place from the
 host copy at b: the bytes are the same either way (the one writer, kv_append_*.py).
@@ -52,7 +53,7 @@ from strata_nb.kv_layout import BLOCK, FORMATS, check_format, pool_arrays
 ATOL, RTOL = 2e-5, 1e-4  # the tolerance above
 
 NEG_INF = np.float32(-np.inf)
-MAX_HEAD_DIM = 128  # the widest head row the kernels' shared arrays hold
+MAX_HEAD_DIM = 256  # the widest head row the plain kernel's shared arrays hold (Gemma 3's)
 
 
 def score_scale(head_dim: int) -> np.float32:
@@ -70,16 +71,17 @@ def attention_ref(fmt,
                   out,         # (Q, H, D) float32, written
                   rotate_out: bool = False,  # apply H to each output head row (a rotated V comes back)
                   ordered: bool | None = None,  # the launcher's hint (rows ascend); a set here
-                  rows_alone: bool = False):  # the launcher's: a row never depends on the others here
+                  rows_alone: bool = False,  # the launcher's: a row never depends on the others here
+                  window: int = 0):  # > 0: query i sees only cells after q_pos[i] - window
     check_format(fmt, FORMATS)
     # Unwritten cells may hold any bytes (NaN, inf, huge): they are masked out below, so
     # the warnings their arithmetic raises on the way are noise.
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-        o = attend_ref(fmt, q, q_pos, blocks, page_table, pool, host)
+        o = attend_ref(fmt, q, q_pos, blocks, page_table, pool, host, window)
     out[...] = hadamard_ref(o) if rotate_out else o
 
 
-def attend_ref(fmt, q, q_pos, blocks, page_table, pool, host):
+def attend_ref(fmt, q, q_pos, blocks, page_table, pool, host, window=0):
     """attention_ref's arithmetic; returns the (Q, H, D) float32 output.
 
     Queries that share one selection (a prompt chunk's (1, S)) are the rows of one product.
@@ -88,11 +90,11 @@ def attend_ref(fmt, q, q_pos, blocks, page_table, pool, host):
     (product_ref, kernels/dense/matvec.py, says why that matters)."""
     if blocks.shape[0] > 1:
         return np.concatenate([attend_together(fmt, q[i:i + 1], q_pos[i:i + 1], blocks[i:i + 1], page_table, pool,
-                                               host) for i in range(len(q))])
-    return attend_together(fmt, q, q_pos, blocks, page_table, pool, host)
+                                               host, window) for i in range(len(q))])
+    return attend_together(fmt, q, q_pos, blocks, page_table, pool, host, window)
 
 
-def attend_together(fmt, q, q_pos, blocks, page_table, pool, host):
+def attend_together(fmt, q, q_pos, blocks, page_table, pool, host, window=0):
     """Queries that share a selection (or one query), as the rows of one masked softmax."""
     n_q, n_heads, head_dim = q.shape
     blocks = np.broadcast_to(blocks, (n_q, blocks.shape[1]))  # a (1, S) selection is every query's
@@ -103,12 +105,17 @@ def attend_together(fmt, q, q_pos, blocks, page_table, pool, host):
     n_kv, n_cells = k.shape[0], k.shape[1]
     group = n_heads // n_kv
 
-    # visible[i, c]: cell c is in query i's selection and not after q_pos[i].
+    # --8<-- [start:window_mask]
+    # visible[i, c]: cell c is in query i's selection, not after q_pos[i] and, in a
+    # sliding-window layer, within its last `window` positions.
     chosen = np.zeros((n_q, len(sel)), bool)
     rows, cols = np.nonzero(blocks >= 0)
     chosen[rows, np.searchsorted(sel, blocks[rows, cols])] = True
     cell_pos = (sel[:, None] * BLOCK + np.arange(BLOCK)).reshape(-1)  # (C,)
     visible = np.repeat(chosen, BLOCK, axis=1) & (cell_pos[None, :] <= q_pos[:, None])  # (Q, C)
+    if window > 0:
+        visible &= cell_pos[None, :] > q_pos[:, None] - window
+    # --8<-- [end:window_mask]
     v = np.where(visible.any(axis=0)[None, :, None], v, np.float32(0))  # unseen cells: zero
 
     # The G query heads of one KV head, for all queries, as the rows of one matmul.
@@ -136,6 +143,7 @@ def make_attention_kernel(read_k, read_v):
                          blocks,      # (Q, S) int32, -1 = padding; or (1, S), every query's
                          page_table,  # (n_logical_blocks,) int32
                          scale,       # float32: 1 / sqrt(D)
+                         window,      # int32: > 0, the query sees only cells after q_pos - window
                          pool_ka, pool_kb, pool_va, pool_vb,  # K and V of the pool, by slot
                          host_ka, host_kb, host_va, host_vb,  # the same by logical block, or (0, ...)
                          out):        # (Q, H, D) float32, written
@@ -144,6 +152,7 @@ def make_attention_kernel(read_k, read_v):
         kv_h = h // (q.shape[1] // pool_ka.shape[1])  # GQA: consecutive heads share a KV head
         row = i if blocks.shape[0] == q.shape[0] else 0  # a (1, S) row is every query's
         pos = q_pos[i]
+        first = pos - window + 1 if window > 0 else 0  # the first position the query sees
         q_s = cuda.shared.array(MAX_HEAD_DIM, float32)  # the query's head row
         k_s = cuda.shared.array((BLOCK, MAX_HEAD_DIM), float32)  # a block's 16 K rows
         scores = cuda.shared.array(BLOCK, float32)  # their scores
@@ -153,8 +162,8 @@ def make_attention_kernel(read_k, read_v):
         m, l, acc = NEG_INF, float32(0.0), float32(0.0)  # running max, sum of weights, weighted V sum
         for s in range(blocks.shape[1]):
             b = blocks[row, s]
-            if b < 0 or b * BLOCK > pos:
-                continue  # padding, or a block wholly after the query: the same for every thread
+            if b < 0 or b * BLOCK > pos or (b + 1) * BLOCK <= first:
+                continue  # padding, or a block wholly after the query or before its window: alike for every thread
             slot = page_table[b]
             if slot >= 0:  # resident: its VRAM slot; else in place from the host copy
                 read_k(pool_ka, pool_kb, slot, kv_h, d, k_col)
@@ -165,15 +174,15 @@ def make_attention_kernel(read_k, read_v):
             for c in range(BLOCK):
                 k_s[c, d] = k_col[c]
             cuda.syncthreads()  # the block's K rows (and q) are in
-            if d < BLOCK and b * BLOCK + d <= pos:  # thread c scores cell c, if the query sees it
+            if d < BLOCK and first <= b * BLOCK + d <= pos:  # thread c scores cell c, if the query sees it
                 dot = float32(0.0)
                 for j in range(D):
                     dot += q_s[j] * k_s[d, j]
                 scores[d] = dot * scale
             cuda.syncthreads()  # the scores are in
-            # The cells up to the query's position; those after it (unwritten bytes, maybe
-            # NaN) are never scored or weighted.
-            for c in range(min(BLOCK, pos - b * BLOCK + 1)):
+            # The cells the query sees, from its window's first up to its position; those after
+            # it (unwritten bytes, maybe NaN) or before the window are never scored or weighted.
+            for c in range(max(0, first - b * BLOCK), min(BLOCK, pos - b * BLOCK + 1)):
                 m_new = max(m, scores[c])
                 rescale = math.exp(m - m_new)  # exp(-inf) = 0 at the first cell
                 p = math.exp(scores[c] - m_new)
@@ -212,7 +221,7 @@ def check_attention(fmt, q, q_pos, blocks, page_table, pool, host, out, rotate_o
 
 
 def attention(fmt, q, q_pos, blocks, page_table, pool, host, out, rotate_out: bool = False,
-              ordered: bool | None = None, rows_alone: bool = False):
+              ordered: bool | None = None, rows_alone: bool = False, window: int = 0):
     """Like attention_ref, on the device; NumPy arguments are moved (out written back).
     A thread block per (query, head), a thread per dim; then H on the output where asked.
     ordered, rows_alone: as attention_ref takes them. This kernel reads any order, and a
@@ -228,6 +237,7 @@ def attention(fmt, q, q_pos, blocks, page_table, pool, host, out, rotate_out: bo
                  *side_arrays(kind_k, "k", host, dev), *side_arrays(kind_v, "v", host, dev))
         mixed = device_empty(q.shape, np.float32) if rotate_out else dev.write(out)
         ATTENTION_KERNELS[fmt][(n_q, n_heads), head_dim, stream()](
-            dev.read(q), dev.read(q_pos), dev.read(blocks), dev.read(page_table), score_scale(head_dim), *sides, mixed)
+            dev.read(q), dev.read(q_pos), dev.read(blocks), dev.read(page_table), score_scale(head_dim),
+            np.int32(window), *sides, mixed)
         if rotate_out:
             hadamard(mixed, out=dev.write(out))
