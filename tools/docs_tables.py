@@ -30,6 +30,11 @@ figure is typed by hand (tests/test_docs.py checks both are up to date):
 - each docs/measured/**/bench.md, from the bench.json beside it, as `strata-nb bench`
   writes it (bench/report.py: the command as a reader pastes it, no machine's paths).
 
+- docs/measured/models/two_models.md: the default model and Gemma 3 270M side by side,
+  from the two files' metadata and tensors as the engine reads them. It needs both files
+  in the model cache (`strata-nb fetch`, `strata-nb fetch --model gemma3-270m`); where one
+  is absent it is neither written nor checked, and says so.
+
     python tools/docs_tables.py           # rewrite them
     python tools/docs_tables.py --check   # exit 1 if any table is out of date (the plot is not checked)
 """
@@ -38,6 +43,7 @@ from __future__ import annotations
 import json
 import re
 import sys
+from collections import Counter
 from pathlib import Path
 
 from strata_nb.bench.report import markdown, model_file, pastable
@@ -55,6 +61,7 @@ EXPERTS_PNG = ROOT / "docs" / "assets" / "expert_hit_rate.png"
 READING = ROOT / "docs" / "reading-the-code.md"
 PLAIN_TIER = ROOT / "src" / "strata_nb" / "kernels"
 BY_HAND = ROOT / "docs" / "measured" / "load" / "q4_k_by_hand.md"
+TWO_MODELS = ROOT / "docs" / "measured" / "models" / "two_models.md"
 START = "<!-- bench-table: written by python tools/docs_tables.py from docs/measured/bench/bench.json -->"
 END = "<!-- /bench-table -->"
 
@@ -347,6 +354,102 @@ def q4_k_by_hand(seed: int = 0) -> str:
     return "\n".join(lines)
 
 
+# ---- two models side by side: docs/measured/models/ ---------------------------------
+
+def model_files() -> dict[str, tuple[Path, str]]:
+    """{column: (the file in the model cache, the command that fetches it)}."""
+    from strata_nb.model.fetch import default_model_path, named_model_path
+
+    return {"SmolLM2-135M-Instruct (the default)": (default_model_path(), "strata-nb fetch"),
+            "Gemma 3 270M": (named_model_path("gemma3-270m"), "strata-nb fetch --model gemma3-270m")}
+
+
+def absent_models() -> list[str]:
+    """The model files the two-models table reads that this machine lacks, with the
+    command that fetches each."""
+    return [f"{path.name} (`{fetch}`)" for path, fetch in model_files().values() if not path.is_file()]
+
+
+def yes_no(flag: bool) -> str:
+    return "yes" if flag else "no"
+
+
+def model_facts(path: Path) -> list[tuple[str, str, str]]:
+    """(row, cell, where the engine has it) for one file: every cell read from the file,
+    its metadata and tensor list, through the engine's own reader (GGUFModel, ModelConfig)."""
+    import numpy as np
+
+    from strata_nb.engine.engine import FAST_ARCHS
+    from strata_nb.kv_layout import cell_bytes
+    from strata_nb.model.gguf_file import GGUFModel
+
+    m = GGUFModel(path)
+    c = m.config
+    sizes = {t.name: int(np.prod(t.shape)) for t in m.reader.tensors}
+    params, table = sum(sizes.values()), sizes["token_embd.weight"]
+    types = Counter(t.tensor_type.name for t in m.reader.tensors)
+    glob = [i for i in range(c.n_layers) if not c.local(i)]
+    span = "every cell, in every layer" if not c.window else (
+        f"the last {c.window:,} positions in {c.n_layers - len(glob)} local layers; every cell in "
+        f"{len(glob)} global ones ({', '.join(f'blk.{i}' for i in glob)})")
+    rope = f"{c.rope_base:,.0f}" + (f" global, {c.rope_base_local:,.0f} local" if c.rope_base_local else "")
+    template = m.metadata("tokenizer.chat_template")
+    spm = m.metadata("tokenizer.ggml.model") == "llama"
+    head = "tied: the embedding table" if not m.has("output.weight") else "its own matrix"
+    return [
+        ("file", f"`{path.name}`", "`model/fetch.py`"),
+        ("architecture", c.arch, "`cfg.arch`"),
+        ("parameters", f"{params:,}", "the tensors' shapes"),
+        ("of them the embedding table", f"{table:,} ({table / params:.0%})", "`token_embd.weight`"),
+        ("weight types (tensors)", ", ".join(f"{t} ({n})" for t, n in types.most_common()), "`QTensor.qtype`"),
+        ("layers", f"{c.n_layers}", "`cfg.n_layers`"),
+        ("hidden size d", f"{c.d_model:,}", "`cfg.d_model`"),
+        ("FFN size", f"{c.d_ff:,}", "`cfg.d_ff`"),
+        ("query heads, KV heads", f"{c.n_heads}, {c.n_kv_heads}", "`cfg.n_heads`, `cfg.n_kv_heads`"),
+        ("head size hd", f"{c.head_dim}", "`cfg.head_dim`"),
+        ("attention width (query heads x hd)", f"{c.n_heads * c.head_dim:,}", "`Wo`'s input"),
+        ("one KV cell of one layer, fp16", f"{cell_bytes('fp16', c.n_kv_heads, c.head_dim):,} bytes",
+         "`kv_layout.cell_bytes`"),
+        ("vocabulary", f"{c.vocab_size:,}", "`cfg.vocab_size`"),
+        ("trained context", f"{c.context_length:,}", "`cfg.context_length`"),
+        ("RMS norm eps", f"{c.rms_eps:.0e}", "`cfg.rms_eps`"),
+        ("embedding scale", "1" if c.embed_scale == 1 else f"{c.embed_scale:.4f} (sqrt d)", "`cfg.embed_scale`"),
+        ("RoPE base", rope, "`cfg.rope_base`, `cfg.rope_base_local`"),
+        ("RoPE turns", "(i, i + hd/2), reordered at load" if c.rope_halves else "(2i, 2i + 1), as stored",
+         "`cfg.rope_halves`"),
+        ("QK-norm (q, k heads normed before RoPE)", yes_no(c.qk_norm), "`cfg.qk_norm`"),
+        ("norms after attention and the FFN", yes_no(c.post_norms), "`cfg.post_norms`"),
+        ("FFN gate", "GELU, tanh form (GeGLU)" if c.gate == "gelu_tanh" else "SiLU (SwiGLU)", "`cfg.gate`"),
+        ("what a query attends to", span, "`cfg.window`, `cfg.local(layer)`"),
+        ("output head", f"{head} ({m.tensors['token_embd.weight'].tensor_type.name})", "`w.output`"),
+        ("tokenizer", "SentencePiece, merges by score" if spm else
+         f"byte-level BPE (pre-tokenizer `{m.metadata('tokenizer.ggml.pre')}`)", "`tokenizer.ggml.model`"),
+        ("BOS put first", yes_no(bool(m.metadata("tokenizer.ggml.add_bos_token", False))),
+         "`tokenizer.ggml.add_bos_token`"),
+        ("chat template", "none: a base model" if template is None else
+         ("ChatML" if "<|im_start|>" in template else "yes"), "`tokenizer.chat_template`"),
+        ("kernels on a GPU", "the fast tier" if c.arch in FAST_ARCHS else "the plain tier", "`FAST_ARCHS`"),
+    ]
+
+
+def two_models_table(files: dict[str, tuple[Path, str]]) -> str:
+    """One row per fact, one column per model, and where the engine keeps each."""
+    facts = {name: model_facts(path) for name, (path, _) in files.items()}
+    names = list(facts)
+    lines = ["| | " + " | ".join(names) + " | in the code |", "| --- |" + " --- |" * (len(names) + 1)]
+    for i, (row, _, where) in enumerate(facts[names[0]]):
+        lines.append(f"| {row} | " + " | ".join(facts[n][i][1] for n in names) + f" | {where} |")
+    fetches = " and ".join(f"`{fetch}`" for _, fetch in files.values())
+    return "\n".join(lines + ["", "Written by `python tools/docs_tables.py` from the two files' metadata and tensor "
+                                  f"list, read by `GGUFModel` as the engine reads them ({fetches} put them in the "
+                                  "model cache)."]) + "\n"
+
+
+def model_outputs() -> dict[Path, str]:
+    """The tables made from model files (absent_models() must be empty)."""
+    return {TWO_MODELS: two_models_table(model_files())}
+
+
 def outputs() -> dict[Path, str]:
     """Every generated file's path and the text it must hold."""
     lessons = json.loads(LESSONS_JSON.read_text())["lessons"]
@@ -374,14 +477,18 @@ def outputs() -> dict[Path, str]:
 
 
 def main(argv: list[str]) -> int:
-    stale = [p for p, text in outputs().items() if not p.exists() or p.read_text() != text]
+    absent = absent_models()
+    tables = outputs() | ({} if absent else model_outputs())
+    if absent:
+        print(f"not {'checked' if '--check' in argv else 'written'}: {TWO_MODELS.relative_to(ROOT)} "
+              f"reads model files this machine lacks: {', '.join(absent)}")
+    stale = [p for p, text in tables.items() if not p.exists() or p.read_text() != text]
     if "--check" in argv:
         for p in stale:
             print(f"out of date: {p.relative_to(ROOT)} (run python tools/docs_tables.py)")
         return 1 if stale else 0
-    LESSONS_DIR.mkdir(parents=True, exist_ok=True)
-    BY_HAND.parent.mkdir(parents=True, exist_ok=True)
-    for p, text in outputs().items():
+    for p, text in tables.items():
+        p.parent.mkdir(parents=True, exist_ok=True)
         p.write_text(text)
     try:
         experts_plot(expert_benches(), EXPERTS_PNG)
