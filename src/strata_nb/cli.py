@@ -232,14 +232,19 @@ def info(model, kv, max_context, as_json):
     """Print the model's facts and the KV format's sizes."""
     from .model.fetch import model_path
     from .model.gguf_file import GGUFModel
-    from .kv_layout import BLOCK, cell_bytes, kv_block_bytes, runs_of, token_bytes
+    from .kv_layout import BLOCK, cell_bytes, kv_block_bytes, ring_blocks, runs_of
 
     m = GGUFModel(model_path(model))
     c = m.config
     ctx = max_context or c.context_length
-    per_token = token_bytes(kv, c)
+    cell = cell_bytes(kv, c.n_kv_heads, c.head_dim)
+    local = sum(c.local(i) for i in range(c.n_layers))  # sliding-window layers: their cells stop at a ring
+    ring = min(ring_blocks(c.window, 256) * BLOCK, ctx) if local else 0  # at the default --prefill-chunk
+    per_token = cell * (c.n_layers - local)  # what each token adds once the rings are full
+    window = {"sliding_window": f"{c.window} positions in {local} of {c.n_layers} layers, each a ring of {ring} "
+                                "cells (at --prefill-chunk 256)"} if local else {}
     facts = {
-        "path": str(m.path), "name": c.name, "architecture": "llama",
+        "path": str(m.path), "name": c.name, "architecture": c.arch, **window,
         "n_layers": c.n_layers, "d_model": c.d_model, "d_ff": c.d_ff, "n_heads": c.n_heads,
         "n_kv_heads": c.n_kv_heads, "head_dim": c.head_dim, "rope_base": c.rope_base,
         "rms_eps": c.rms_eps, "vocab_size": c.vocab_size, "context_length": c.context_length,
@@ -250,7 +255,7 @@ def info(model, kv, max_context, as_json):
         "runs": [{"name": n, "bytes": b} for n, _, b in runs_of(kv, c.n_kv_heads, c.head_dim)],
         "bytes_per_token": per_token,
         "max_context": ctx,
-        "bytes_at_max_context": per_token * ctx,
+        "bytes_at_max_context": per_token * ctx + cell * local * ring,
     }
     if as_json:
         click.echo(json.dumps(facts, indent=1))
