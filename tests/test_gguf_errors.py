@@ -51,8 +51,31 @@ def test_truncated_tensor_data_names_the_tensor_and_the_missing_bytes(file, cut_
 
 def test_unsupported_architecture(tmp_path):
     p = write_synthetic_gguf(tmp_path / "m.gguf", architecture="mamba", n_layers=1)
-    with pytest.raises(StrataError, match="unsupported architecture 'mamba'"):
+    with pytest.raises(StrataError, match="unsupported architecture 'mamba': strata-nb runs llama, gemma3"):
         GGUFModel(p)
+
+
+def test_a_gemma3_file_without_its_window_or_norms(tmp_path, capsys):
+    """A gemma3 file lacking its sliding window stops at open; one lacking a QK-norm at load,
+    naming what is missing, from the CLI with exit 2 and no traceback."""
+    p = write_synthetic_gguf(tmp_path / "g.gguf", architecture="gemma3", n_layers=6, d_model=64, d_ff=96)
+    no_window = tmp_path / "no-window.gguf"
+    data = bytearray(p.read_bytes())
+    key = b"gemma3.attention.sliding_window"
+    at = data.find(key)
+    data[at:at + len(key)] = b"gemma3.attention.sliding_windoX"  # the key renamed: absent to the reader
+    no_window.write_bytes(bytes(data))
+    with pytest.raises(StrataError, match="GGUF metadata lacks 'gemma3.attention.sliding_window'"):
+        GGUFModel(no_window)
+    no_norm = tmp_path / "no-norm.gguf"
+    data = bytearray(p.read_bytes())
+    at = data.find(b"blk.0.attn_q_norm.weight")
+    data[at:at + 24] = b"blk.0.attn_q_norX.weight"
+    no_norm.write_bytes(bytes(data))
+    from cli_runner import run_cli
+
+    code, _, err = run_cli(["run", "--model", str(no_norm), "--device", "cpu", "--raw", "hi"], capsys)
+    assert code == 2 and "lacks tensor 'blk.0.attn_q_norm.weight'" in err and "Traceback" not in err
 
 
 def test_unsupported_tensor_type(tmp_path):
