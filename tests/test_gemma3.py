@@ -87,12 +87,13 @@ def greedy(eng, ids, n=12):
     return out, eng.kv.snapshot(len(ids), layers=[5])  # the global layer's cells
 
 
-@pytest.mark.parametrize("fmt", ["fp16", "int8", "q4_0", "k8v4"])
-def test_streamed_equals_resident(tiny_gemma, fmt):
+@pytest.mark.parametrize("fmt, qsa", [("fp16", 0), ("int8", 0), ("q4_0", 0), ("k8v4", 0), ("k8v4", 64)])
+def test_streamed_equals_resident(tiny_gemma, fmt, qsa):
     """The global layer streams (a 96-cell VRAM share of 1,024), the local ones keep their
-    ring: the same tokens and the same cells as fully resident."""
+    ring: the same tokens and the same cells as fully resident, with QSA's selection too
+    (the global layer's: a local layer reads its window)."""
     ids = ids_for(400, seed=1)
-    kw = dict(model=tiny_gemma, device="cpu", kv=fmt, kv_window=32, prefill_chunk=64)
+    kw = dict(model=tiny_gemma, device="cpu", kv=fmt, kv_window=32, prefill_chunk=64, qsa_budget=qsa)
     want, want_cells = greedy(Engine.load(**kw), ids)
     streamed = Engine.load(**kw, kv_resident=96)
     got, got_cells = greedy(streamed, ids)
