@@ -125,7 +125,7 @@ def test_the_plain_tier_agrees_with_numpy(small_window_gemma):
     window in attention over a ring, head_dim 64 here) under the simulator, in a prompt of
     two chunks and a decode step: the numpy backend's greedy token, and logits within
     float32 noise."""
-    ids = ids_for(22, seed=2)
+    ids = ids_for(17, seed=2)  # positions 16 on see no cell 0: the window cuts
     ref = Engine.load(model=small_window_gemma, device="cpu", kv="k8v4", prefill_chunk=16)
     gpu = Engine.load(model=small_window_gemma, device="cuda", kernels="plain", kv="k8v4", prefill_chunk=16)
     assert gpu.settings.kernels == "plain" and {L.ring for L in gpu.kv.layers} == {0, 3}
