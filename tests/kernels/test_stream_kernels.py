@@ -81,6 +81,19 @@ def test_the_fast_key_sketch_writes_the_plain_bytes():
     assert got.tobytes() == want.tobytes() and got.tobytes() != before.tobytes()
 
 
+def test_block_scores_of_gemma_s_heads():
+    """head_dim 256, one KV head of 4 query heads (Gemma 3's): the kernel built for it agrees."""
+    rng = np.random.default_rng(4)
+    positions = np.array([9 * 16 + 5], np.int32)
+    q = rng.standard_normal((1, 4, 256)).astype(np.float32)
+    sketch = quantize_q4_0_ref(rng.standard_normal((10, 1, 16, 256)).astype(np.float32))
+    want, got = np.zeros((1, 10), np.float32), np.zeros((1, 10), np.float32)
+    block_scores_ref(q, sketch, positions, 2, want)
+    block_scores(q, sketch, positions, 2, got)
+    assert np.isfinite(want[0, 1:8]).all()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+
+
 def test_block_scores_are_each_block_s_best_cell():
     rng = np.random.default_rng(3)
     n_q, n_heads, n_blocks, window = 3, 9, 21, 2  # more blocks than a scoring thread block takes

@@ -107,9 +107,12 @@ class CudaBackend(ComposedOps):
         if not BLOCK <= cfg.head_dim <= MAX_HEAD_DIM:
             raise StrataError(f"the cuda backend's attention takes head_dim {BLOCK} .. {MAX_HEAD_DIM}; this model has "
                               f"{cfg.head_dim} (use --device cpu)")
-        if qsa and cfg.n_kv_heads > block_scores.MAX_KV:
-            raise StrataError(f"the cuda backend's QSA scores are built for at most {block_scores.MAX_KV} KV heads; "
-                              f"this model has {cfg.n_kv_heads} (run without --qsa-budget, or with --device cpu)")
+        if qsa and (cfg.n_kv_heads > block_scores.MAX_KV or cfg.head_dim not in block_scores.HEAD_DIMS
+                    or cfg.n_heads // cfg.n_kv_heads > block_scores.MAX_GROUP):
+            raise StrataError(f"the cuda backend's QSA scores are built for at most {block_scores.MAX_KV} KV heads, "
+                              f"{block_scores.MAX_GROUP} query heads each, head_dim in {block_scores.HEAD_DIMS}; "
+                              f"this model has {cfg.n_kv_heads}, {cfg.n_heads // cfg.n_kv_heads} and {cfg.head_dim} "
+                              "(run without --qsa-budget, or with --device cpu)")
 
     def dependent_launches(self) -> str:
         """Whether kernels launch as dependent (fast/dependent_launch.py): the fast tier's."""

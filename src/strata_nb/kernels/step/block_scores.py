@@ -41,7 +41,7 @@ from strata_nb.kv_layout import BLOCK, Q4_BYTES, Q4_GROUP
 
 MAX_KV = 8  # KV heads
 MAX_GROUP = 8  # query heads per KV head
-HEAD_DIMS = (32, 64, 128)  # head_dim is compiled into the kernel: these are built
+HEAD_DIMS = (32, 64, 128, 256)  # head_dim is compiled into the kernel: these are built (256: Gemma 3's)
 
 
 # --8<-- [start:block_scores_ref]
