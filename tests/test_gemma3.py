@@ -103,6 +103,17 @@ def test_streamed_equals_resident(tiny_gemma, fmt, qsa):
         assert got_cells["layers"][0][f].tobytes() == a.tobytes(), f
 
 
+def test_a_context_within_the_ring_streams_every_layer(tiny_gemma):
+    """Where a ring would hold the whole context, the sliding-window layers stream like the
+    global one (their host copy, slots and stage), reading their window: still == resident."""
+    ids = ids_for(120, seed=3)
+    kw = dict(model=tiny_gemma, device="cpu", kv="k8v4", kv_window=32, prefill_chunk=64, max_context=128)
+    want, _ = greedy(Engine.load(**kw), ids, n=6)
+    streamed = Engine.load(**kw, kv_resident=96)
+    assert {L.ring for L in streamed.kv.layers} == {0} and all(L.slots is not None for L in streamed.kv.layers)
+    assert greedy(streamed, ids, n=6)[0] == want and streamed.kv.counters.misses > 0
+
+
 def test_a_dropped_v_mirror_breaks_it(tiny_gemma):
     """The negative control of #1188's class: the V half skips the host copy."""
     ids = ids_for(400, seed=1)

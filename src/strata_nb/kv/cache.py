@@ -194,13 +194,13 @@ class KVCache:
         elif on_device:  # a decode step or a verify window
             assert self.step is not None, "device positions are for the cuda backend"
             blocks, src = self.step.select(L, q, positions), L  # misses are read in place
-        elif prompt and L.window:  # a sliding-window layer's chunk: its first query's window on, from the ring
-            first = max(int(positions[0]) - L.window + 1, 0) // BLOCK
-            blocks, src = shared_blocks_upto(positions, self._block_row)[:, first:], L
         elif prompt:  # a prompt chunk reads every earlier cell: the pool, or the stage when streaming
-            # blocks 0..last as one row every query shares, a view of a device array made once
+            # blocks 0..last as one row every query shares, a view of a device array made once;
+            # a sliding-window layer's from its first query's window on (a ring holds no more)
             blocks = shared_blocks_upto(positions, self._block_row)
-            src = self.stage if self.streamed else L
+            if L.window:
+                blocks = blocks[:, max(int(positions[0]) - L.window + 1, 0) // BLOCK:]
+            src = self.stage if self.streamed and not L.ring else L
         else:
             blocks, src = self.select(L, q, positions), L
             if self.streamed and not L.ring:
