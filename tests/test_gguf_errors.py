@@ -118,7 +118,8 @@ def test_head_dim_outside_the_rotation_width_is_one_line_exit_2(tmp_path, capsys
 
 @pytest.mark.parametrize("shapes, qsa, message", [
     (dict(n_heads=9, n_kv_heads=1), 0, "at most 8 query heads per KV head; this model has head_dim 64 and 9"),
-    (dict(n_heads=9, n_kv_heads=9), 256, "at most 8 KV heads; this model has 9"),
+    (dict(n_heads=9, n_kv_heads=9), 256, "at most 8 KV heads, 8 query heads each, head_dim in "
+                                         r"\(32, 64, 128, 256\); this model has 9, 1 and 64"),
 ])
 def test_shapes_the_cuda_kernels_are_not_built_for(tmp_path, shapes, qsa, message):
     from strata_nb.engine.engine import Engine
