@@ -54,7 +54,7 @@ def test_the_config_names_what_gemma_changes(tiny_gemma):
     assert [cfg.local(i) for i in range(6)] == [True] * 5 + [False]
 
 
-def test_a_local_layer_sees_exactly_its_window(tiny_gemma, monkeypatch):
+def test_a_local_layer_sees_exactly_its_window(tiny_gemma):
     """llama.cpp masks key p0 for query p1 where p1 - p0 >= window: position WINDOW - 1 still
     sees cell 0, position WINDOW no longer does. So a run whose layers see every cell gives
     the same rows up to WINDOW - 1 and another row at WINDOW."""

@@ -30,13 +30,13 @@ def forward(be, w: ModelWeights, kv, ids, positions, prompt: bool, all_logits: b
     x = be.embed(w.token_embd, be.asarray(ids))  # (n, d) the residual stream
     if cfg.embed_scale != 1:  # Gemma: x *= sqrt(d)
         be.scale_(x, cfg.embed_scale)
-    rope = {False: (be.embed(w.rope_cos, pos), be.embed(w.rope_sin, pos))}  # (n, hd/2) cos, sin
-    if w.rope_cos_local is not None:  # Gemma 3's local layers turn at a base of their own
-        rope[True] = (be.embed(w.rope_cos_local, pos), be.embed(w.rope_sin_local, pos))
+    rope = be.embed(w.rope_cos, pos), be.embed(w.rope_sin, pos)  # (n, hd/2) cos, sin
+    rope_local = rope if w.rope_cos_local is None else (  # Gemma 3's local layers turn at a base of their own
+        be.embed(w.rope_cos_local, pos), be.embed(w.rope_sin_local, pos))
     with be.rows_alone(prompt and kv.rows_alone):  # each prompt row as in any chunk (engine/prompt_chunk.py)
         for layer, L in enumerate(w.layers):
             after = w.layers[layer + 1].wqkv if layer + 1 < len(w.layers) else w.output  # the next product
-            cos, sin = rope[cfg.local(layer) and True in rope]
+            cos, sin = rope_local if cfg.local(layer) else rope
             # q (n, n_heads, hd), k and v (n, n_kv, hd): the q|k|v product, (Gemma) its q and
             # k heads normed, its q and k roped, k and v appended to the cache: host copy +
             # VRAM through the one writer

@@ -62,19 +62,24 @@ def inv_rms(sum_squares, d, eps):
     return float32(1.0) / math.sqrt(sum_squares / float32(d) + eps)
 
 
+@cuda.jit(device=True)
+def norm_row(x, i, start, d, w, eps, out):
+    """The thread block's row: out[i, start:start + d] = x[i, start:start + d] normed, times w."""
+    squares = float32(0.0)
+    for j in range(cuda.threadIdx.x, d, cuda.blockDim.x):
+        squares += x[i, start + j] * x[i, start + j]
+    total = block_sum(squares)  # every thread of the block gets the row's sum
+    inv = inv_rms(total, d, eps)
+    for j in range(cuda.threadIdx.x, d, cuda.blockDim.x):
+        out[i, start + j] = x[i, start + j] * inv * w[j]
+
+
 @cuda.jit(cache=True)
 def rmsnorm_kernel(x,    # (n, d) float32
                    w,    # (d,) float32
                    eps,  # float32
                    out):  # (n, d) float32, written
-    i, d = cuda.blockIdx.x, x.shape[1]
-    squares = float32(0.0)
-    for j in range(cuda.threadIdx.x, d, cuda.blockDim.x):
-        squares += x[i, j] * x[i, j]
-    total = block_sum(squares)  # every thread of the block gets the row's sum
-    inv = inv_rms(total, d, eps)
-    for j in range(cuda.threadIdx.x, d, cuda.blockDim.x):
-        out[i, j] = x[i, j] * inv * w[j]
+    norm_row(x, cuda.blockIdx.x, 0, x.shape[1], w, eps, out)  # a thread block per row
 # --8<-- [end:rmsnorm_kernel]
 
 
@@ -121,14 +126,7 @@ def head_rmsnorm_kernel(qkv, q_norm, k_norm,  # shapes as head_rmsnorm_ref
         for j in range(cuda.threadIdx.x, hd, cuda.blockDim.x):
             out[i, start + j] = qkv[i, start + j]
         return
-    w = q_norm if h < n_heads else k_norm
-    squares = float32(0.0)
-    for j in range(cuda.threadIdx.x, hd, cuda.blockDim.x):
-        squares += qkv[i, start + j] * qkv[i, start + j]
-    total = block_sum(squares)  # every thread of the block gets the head's sum
-    inv = inv_rms(total, hd, eps)
-    for j in range(cuda.threadIdx.x, hd, cuda.blockDim.x):
-        out[i, start + j] = qkv[i, start + j] * inv * w[j]
+    norm_row(qkv, i, start, hd, q_norm if h < n_heads else k_norm, eps, out)  # a q or k head: rmsnorm_kernel's row
 # --8<-- [end:head_rmsnorm_kernel]
 
 
