@@ -25,7 +25,7 @@ def embed_rows_kernel(table, ids, out):  # shapes as plain.embed_rows_kernel
 
 
 def make_embed_kernel(part, nibbles):
-    body = inline_body(plain.make_embed_kernel(part, nibbles))  # the plain code over gguf_fetch's part
+    body = inline_body(plain.make_embed_kernel(plain.make_row_part(part, nibbles)))  # the plain code over gguf_fetch's part
 
     @cuda.jit(cache=True)
     def embed_kernel(a, b, ids, out):  # shapes as plain.make_embed_kernel's embed_kernel

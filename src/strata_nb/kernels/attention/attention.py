@@ -20,14 +20,12 @@ cells): gather and dequantize the union of the selected blocks once, one masked 
 softmax, matmuls. It depends only on the bytes it reads, so the pool or the host copy
 give the same bits. Cells no query in the call can see count as zero.
 
-The kernel: a thread block per (query, head) and a thread per output dim, for every pass
-(a decode step, a verify window, a prompt chunk). It walks the query's selected blocks
-in order, skipping those wholly after the query; for each it reads the block's K and V
-columns through the format's readers (kv_readers.py), 16 threads score its 16 cells, and
-every thread folds them into an online softmax: a running max m, sum of weights l and
-weighted V sum, rescaled when the max grows. A prompt chunk's queries share one row of
-blocks (shape (1, S)); each reads it up to its own position, so its bits do not depend
-on the chunk it comes in.
+The kernel: a thread block per (query, head), a thread per output dim, for every pass.
+It walks the query's selected blocks in order; `fold_block` reads a block's K and V
+columns (kv_readers.py), 16 threads score its 16 cells, and every thread folds them into
+an online softmax: a running max m, sum of weights l and weighted V sum, rescaled when
+the max grows. A prompt chunk's queries share one row of blocks (shape (1, S)); each
+reads it up to its own position, so its bits do not depend on the chunk it comes in.
 
 Tolerance: |kernel - ref| <= ATOL + RTOL * |ref|, for V values of order 1. Both compute
 in float32 on the same dequantized values (dequantization is exact); they differ only in
@@ -51,7 +49,6 @@ from strata_nb.kernels.kv.kv_readers import READERS, SIDES, dequantize_side, sid
 from strata_nb.kv_layout import BLOCK, FORMATS, check_format, pool_arrays
 
 ATOL, RTOL = 2e-5, 1e-4  # the tolerance above
-
 NEG_INF = np.float32(-np.inf)
 MAX_HEAD_DIM = 256  # the widest head row the plain kernel's shared arrays hold (Gemma 3's)
 
@@ -74,20 +71,17 @@ def attention_ref(fmt,
                   rows_alone: bool = False,  # the launcher's: a row never depends on the others here
                   window: int = 0):  # > 0: query i sees only cells after q_pos[i] - window
     check_format(fmt, FORMATS)
-    # Unwritten cells may hold any bytes (NaN, inf, huge): they are masked out below, so
-    # the warnings their arithmetic raises on the way are noise.
+    # Unwritten cells may hold any bytes (NaN, inf): masked out below, their warnings are noise
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         o = attend_ref(fmt, q, q_pos, blocks, page_table, pool, host, window)
     out[...] = hadamard_ref(o) if rotate_out else o
 
 
 def attend_ref(fmt, q, q_pos, blocks, page_table, pool, host, window=0):
-    """attention_ref's arithmetic; returns the (Q, H, D) float32 output.
-
-    Queries that share one selection (a prompt chunk's (1, S)) are the rows of one product.
-    Queries with a selection each (a decode step, a verify window) are worked out one at a
-    time, so a window's query gets the bits of the decode step at its position
-    (product_ref, kernels/dense/matvec.py, says why that matters)."""
+    """attention_ref's arithmetic -> the (Q, H, D) float32 output. Queries that share one
+    selection (a prompt chunk's (1, S)) are the rows of one product; queries with a
+    selection each (a decode step, a verify window) are worked out one at a time, so a
+    window's query gets the decode step's bits (product_ref, kernels/dense/matvec.py)."""
     if blocks.shape[0] > 1:
         return np.concatenate([attend_together(fmt, q[i:i + 1], q_pos[i:i + 1], blocks[i:i + 1], page_table, pool,
                                                host, window) for i in range(len(q))])
@@ -134,21 +128,57 @@ def attend_together(fmt, q, q_pos, blocks, page_table, pool, host, window=0):
 
 
 # --8<-- [start:attention_kernel]
-def make_attention_kernel(read_k, read_v):
-    """The kernel for one format: how it reads a column of K and of V (kv_readers.py)."""
+def make_fold_block(read_k, read_v):
+    """For one format (its K and V readers, kv_readers.py): one block of 16 cells folded
+    into a query's online softmax. The kernel below and the megakernel both call it."""
 
+    @cuda.jit(device=True)
+    def fold_block(b, first, pos, kv_h, d, scale,  # block b (the query sees positions first..pos); dim d
+                   page_table, pool_ka, pool_kb, pool_va, pool_vb, host_ka, host_kb, host_va, host_vb,
+                   q_s, k_s, scores,  # shared float32: the query's head row (D,), K rows (16, >= D), scores (16,)
+                   k_col, v_col,      # local (16,) float32: value d of the block's K and V rows
+                   m, l, acc):        # the running max, sum of weights and weighted V sum (dim d)
+        """-> m, l, acc with the block's cells in. Every thread calls it (it waits at barriers)."""
+        slot = page_table[b]
+        if slot >= 0:  # resident: its VRAM slot; else in place from the host copy
+            read_k(pool_ka, pool_kb, slot, kv_h, d, k_col)
+            read_v(pool_va, pool_vb, slot, kv_h, d, v_col)
+        else:
+            read_k(host_ka, host_kb, b, kv_h, d, k_col)
+            read_v(host_va, host_vb, b, kv_h, d, v_col)
+        for c in range(BLOCK):
+            k_s[c, d] = k_col[c]
+        cuda.syncthreads()  # the block's K rows (and q) are in
+        if d < BLOCK and first <= b * BLOCK + d <= pos:  # thread c scores cell c, if the query sees it
+            dot = float32(0.0)
+            for j in range(q_s.shape[0]):
+                dot += q_s[j] * k_s[d, j]
+            scores[d] = dot * scale
+        cuda.syncthreads()  # the scores are in
+        # Only the cells the query sees: those after it (unwritten, maybe NaN) or before its window never count
+        for c in range(max(0, first - b * BLOCK), min(BLOCK, pos - b * BLOCK + 1)):
+            m_new = max(m, scores[c])
+            rescale = math.exp(m - m_new)  # exp(-inf) = 0 at the first cell
+            p = math.exp(scores[c] - m_new)
+            l = l * rescale + p
+            acc = acc * rescale + p * v_col[c]
+            m = m_new
+        cuda.syncthreads()  # every thread is done with k_s and scores before the next block
+        return m, l, acc
+
+    return fold_block
+
+
+def make_attention_kernel(fold_block):  # the kernel for one format
     @cuda.jit(cache=True)
-    def attention_kernel(q,           # (Q, H, D) float32
-                         q_pos,       # (Q,) int32
+    def attention_kernel(q, q_pos,    # (Q, H, D) float32; (Q,) int32
                          blocks,      # (Q, S) int32, -1 = padding; or (1, S), every query's
-                         page_table,  # (n_logical_blocks,) int32
-                         scale,       # float32: 1 / sqrt(D)
+                         page_table, scale,  # (n_logical_blocks,) int32; float32 1 / sqrt(D)
                          window,      # int32: > 0, the query sees only cells after q_pos - window
                          pool_ka, pool_kb, pool_va, pool_vb,  # K and V of the pool, by slot
                          host_ka, host_kb, host_va, host_vb,  # the same by logical block, or (0, ...)
                          out):        # (Q, H, D) float32, written
         i, h, d = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x  # query, head, this thread's dim
-        D = q.shape[2]
         kv_h = h // (q.shape[1] // pool_ka.shape[1])  # GQA: consecutive heads share a KV head
         row = i if blocks.shape[0] == q.shape[0] else 0  # a (1, S) row is every query's
         pos = q_pos[i]
@@ -164,38 +194,15 @@ def make_attention_kernel(read_k, read_v):
             b = blocks[row, s]
             if b < 0 or b * BLOCK > pos or (b + 1) * BLOCK <= first:
                 continue  # padding, or a block wholly after the query or before its window: alike for every thread
-            slot = page_table[b]
-            if slot >= 0:  # resident: its VRAM slot; else in place from the host copy
-                read_k(pool_ka, pool_kb, slot, kv_h, d, k_col)
-                read_v(pool_va, pool_vb, slot, kv_h, d, v_col)
-            else:
-                read_k(host_ka, host_kb, b, kv_h, d, k_col)
-                read_v(host_va, host_vb, b, kv_h, d, v_col)
-            for c in range(BLOCK):
-                k_s[c, d] = k_col[c]
-            cuda.syncthreads()  # the block's K rows (and q) are in
-            if d < BLOCK and first <= b * BLOCK + d <= pos:  # thread c scores cell c, if the query sees it
-                dot = float32(0.0)
-                for j in range(D):
-                    dot += q_s[j] * k_s[d, j]
-                scores[d] = dot * scale
-            cuda.syncthreads()  # the scores are in
-            # The cells the query sees, from its window's first up to its position; those after
-            # it (unwritten bytes, maybe NaN) or before the window are never scored or weighted.
-            for c in range(max(0, first - b * BLOCK), min(BLOCK, pos - b * BLOCK + 1)):
-                m_new = max(m, scores[c])
-                rescale = math.exp(m - m_new)  # exp(-inf) = 0 at the first cell
-                p = math.exp(scores[c] - m_new)
-                l = l * rescale + p
-                acc = acc * rescale + p * v_col[c]
-                m = m_new
-            cuda.syncthreads()  # every thread is done with k_s and scores before the next block
+            m, l, acc = fold_block(b, first, pos, kv_h, d, scale, page_table, pool_ka, pool_kb, pool_va, pool_vb,
+                                   host_ka, host_kb, host_va, host_vb, q_s[:q.shape[2]], k_s, scores, k_col, v_col, m, l, acc)
         out[i, h, d] = acc / l if l > 0 else float32(0.0)  # no cell seen: 0, as the reference
 
     return attention_kernel
 
 
-ATTENTION_KERNELS = {fmt: make_attention_kernel(READERS[k], READERS[v]) for fmt, (k, v) in SIDES.items()}
+FOLD_BLOCKS = {fmt: make_fold_block(READERS[k], READERS[v]) for fmt, (k, v) in SIDES.items()}
+ATTENTION_KERNELS = {fmt: make_attention_kernel(fold) for fmt, fold in FOLD_BLOCKS.items()}
 # --8<-- [end:attention_kernel]
 
 

@@ -45,7 +45,28 @@ def embed_rows_kernel(table,  # (rows, d) float32
         out[i, j] = table[ids[i], j]
 
 
-def make_embed_kernel(part, nibbles):
+def make_row_part(part, nibbles):
+    """For one weight type (its dequantizer `part`): part q of a GGUF row, dequantized into
+    its 8 places of a float32 row. The embed kernel below gathers rows with it, and so
+    does the megakernel's first stage (fast/mega/stages.py)."""
+
+    @cuda.jit(device=True)
+    def row_part(a, b,  # (rows, *) views a and b of the table's GGUF rows (gguf_rows.QTYPES)
+                 row,   # the row of the table
+                 q,     # the part: values 8q.. of the row, block q // 4
+                 out, i):  # (n, d) float32: its row i written
+        blk, p = q // PARTS, q % PARTS
+        w = cuda.local.array(PART, float32)
+        part(a, b, row, blk, p, w)
+        lo, hi = part_runs(nibbles, p)
+        for j in range(4):
+            out[i, blk * QK + lo + j] = w[j]
+            out[i, blk * QK + hi + j] = w[4 + j]
+
+    return row_part
+
+
+def make_embed_kernel(row_part):
     @cuda.jit(cache=True)
     def embed_kernel(a,    # (rows, *) view a of the table's GGUF rows (gguf_rows.QTYPES)
                      b,    # (rows, *) view b of the same bytes
@@ -55,18 +76,13 @@ def make_embed_kernel(part, nibbles):
         n_parts = out.shape[1] // PART
         if lane < ids.shape[0] * n_parts:
             i, q = lane // n_parts, lane % n_parts
-            blk, p = q // PARTS, q % PARTS
-            w = cuda.local.array(PART, float32)
-            part(a, b, ids[i], blk, p, w)
-            lo, hi = part_runs(nibbles, p)
-            for j in range(4):
-                out[i, blk * QK + lo + j] = w[j]
-                out[i, blk * QK + hi + j] = w[4 + j]
+            row_part(a, b, ids[i], q, out, i)
 
     return embed_kernel
 
 
-EMBED_KERNELS = {qtype: make_embed_kernel(part, nibbles) for qtype, (part, _, _, nibbles) in QTYPES.items()}
+ROW_PARTS = {qtype: make_row_part(part, nibbles) for qtype, (part, _, _, nibbles) in QTYPES.items()}
+EMBED_KERNELS = {qtype: make_embed_kernel(row_part) for qtype, row_part in ROW_PARTS.items()}
 # --8<-- [end:embed_kernel]
 
 

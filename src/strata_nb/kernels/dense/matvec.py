@@ -75,22 +75,20 @@ def dot_tolerance(x, w):
 
 
 # --8<-- [start:matvec_kernel]
-def make_matvec_kernel(part, nibbles):
-    """The kernel for one weight type (its dequantizer `part`): one warp per row of W, each
-    lane dequantizing every 32nd part of the row and multiplying it with every row of x."""
+def make_row_sums(part, nibbles):
+    """One lane's share of x @ W[o] for one weight type (its dequantizer `part`): lane l
+    dequantizes every 32nd part of row o and adds its products with every row of x into
+    acc; a warp_sum of acc then gives the row's dot products. The matvec kernel below and
+    the megakernel's products (fast/mega/stages.py) both call it."""
 
-    @cuda.jit(cache=True)
-    def matvec_kernel(x,     # (n, in) float32, n <= MAX_ROWS
-                      n_in,  # int32: the length of a row of W
-                      a,     # (out, *) view a of W's rows (QTYPES)
-                      b,     # (out, *) view b of the same bytes
-                      y):    # (n, out) float32, written
-        o = cuda.blockIdx.x  # the row of W; the thread block is one warp
-        lane = cuda.threadIdx.x
+    @cuda.jit(device=True)
+    def row_sums(x,     # (n, in) float32, n <= len(acc)
+                 n_in,  # int32: the length of a row of W
+                 a, b,  # (out, *) views a and b of W's rows (QTYPES)
+                 o,     # the row of W
+                 lane,  # this lane, 0..31
+                 acc):  # (>= n,) float32: this lane's sum for each row of x, added to
         w = cuda.local.array(PART, float32)  # 8 weights of the row, dequantized
-        acc = cuda.local.array(MAX_ROWS, float32)  # this lane's sum for each row of x
-        for r in range(MAX_ROWS):
-            acc[r] = float32(0.0)
         # Lane l takes parts l, l + 32, ...: each round the warp's 32 parts are 8 whole
         # blocks side by side, so its loads fall on one contiguous run of the row.
         for q in range(lane, n_in // PART, WARP):
@@ -101,6 +99,25 @@ def make_matvec_kernel(part, nibbles):
             for r in range(x.shape[0]):
                 for j in range(4):
                     acc[r] += w[j] * x[r, lo + j] + w[4 + j] * x[r, hi + j]
+
+    return row_sums
+
+
+def make_matvec_kernel(row_sums):
+    """The kernel for one weight type (its `row_sums`): one warp per row of W."""
+
+    @cuda.jit(cache=True)
+    def matvec_kernel(x,     # (n, in) float32, n <= MAX_ROWS
+                      n_in,  # int32: the length of a row of W
+                      a,     # (out, *) view a of W's rows (QTYPES)
+                      b,     # (out, *) view b of the same bytes
+                      y):    # (n, out) float32, written
+        o = cuda.blockIdx.x  # the row of W; the thread block is one warp
+        lane = cuda.threadIdx.x
+        acc = cuda.local.array(MAX_ROWS, float32)  # this lane's sum for each row of x
+        for r in range(MAX_ROWS):
+            acc[r] = float32(0.0)
+        row_sums(x, n_in, a, b, o, lane, acc)
         for r in range(x.shape[0]):
             total = warp_sum(acc[r])  # the 32 lanes' sums, in every lane
             if lane == 0:
@@ -109,7 +126,8 @@ def make_matvec_kernel(part, nibbles):
     return matvec_kernel
 
 
-MATVEC_KERNELS = {qtype: make_matvec_kernel(part, nibbles) for qtype, (part, _, _, nibbles) in QTYPES.items()}
+ROW_SUMS = {qtype: make_row_sums(part, nibbles) for qtype, (part, _, _, nibbles) in QTYPES.items()}
+MATVEC_KERNELS = {qtype: make_matvec_kernel(row_sums) for qtype, row_sums in ROW_SUMS.items()}
 # --8<-- [end:matvec_kernel]
 
 

@@ -42,6 +42,13 @@ def rope_qkv_ref(qkv,  # (n, (n_heads + 2 n_kv) hd) float32: q heads, then k hea
 
 
 # --8<-- [start:rope_qkv_kernel]
+@cuda.jit(device=True)
+def turn_pair(x0, x1, c, s):
+    """A pair turned by the angle whose cos and sin are c, s: each product rounded on its
+    own (mul_rn, no fused multiply-add), as NumPy rounds the reference's."""
+    return mul_rn(x0, c) - mul_rn(x1, s), mul_rn(x0, s) + mul_rn(x1, c)
+
+
 @cuda.jit(cache=True)
 def rope_qkv_kernel(qkv, cos, sin, q, k, v):  # shapes as rope_qkv_ref
     n, n_heads, hd = q.shape
@@ -59,8 +66,7 @@ def rope_qkv_kernel(qkv, cos, sin, q, k, v):  # shapes as rope_qkv_ref
         return
     c, s = cos[i, pair], sin[i, pair]
     dst, head = (q, h) if h < n_heads else (k, h - n_heads)
-    dst[i, head, 2 * pair] = mul_rn(x0, c) - mul_rn(x1, s)
-    dst[i, head, 2 * pair + 1] = mul_rn(x0, s) + mul_rn(x1, c)
+    dst[i, head, 2 * pair], dst[i, head, 2 * pair + 1] = turn_pair(x0, x1, c, s)
 # --8<-- [end:rope_qkv_kernel]
 
 

@@ -32,14 +32,19 @@ def swiglu_ref(gate_up,  # (n, 2 ff) float32: gate values, then up values
 
 
 # --8<-- [start:swiglu_kernel]
+@cuda.jit(device=True)
+def silu_times(g, u):
+    """silu(g) * u: one gate value times its up value."""
+    return g / (float32(1.0) + math.exp(-g)) * u
+
+
 @cuda.jit(cache=True)
 def swiglu_kernel(gate_up, out):  # shapes as swiglu_ref
     n, ff = out.shape
     lane = cuda.grid(1)  # one output value
     if lane < n * ff:
         i, j = lane // ff, lane % ff
-        g, u = gate_up[i, j], gate_up[i, ff + j]
-        out[i, j] = g / (float32(1.0) + math.exp(-g)) * u
+        out[i, j] = silu_times(gate_up[i, j], gate_up[i, ff + j])
 # --8<-- [end:swiglu_kernel]
 
 
