@@ -50,7 +50,9 @@ def _thread_safe_shared_arrays():
     source line, with a check-then-insert that is not atomic: two simulated threads can
     each see none and keep their own array, so one thread's writes never reach the
     others (seen as a top-p draw that changed from run to run). The same lookup, under a
-    lock."""
+    lock, and an array for each thread block: the simulator's one per line serves every
+    block of a launch, which is right only while they run one after another (the
+    megakernel's test runs them at once, sim_barriers.concurrent_blocks)."""
     import threading
 
     import numpy as np
@@ -66,7 +68,8 @@ def _thread_safe_shared_arrays():
         if isinstance(dtype, types.Type):
             dtype = numpy_support.as_dtype(dtype)
         frame = sys._getframe(1)  # the kernel's line that asks (the simulator's own lookup
-        caller = (frame.f_code.co_filename, frame.f_lineno)  # reads every frame's source for these two)
+        block = getattr(threading.current_thread(), "blockIdx", None)  # reads every frame's source for these two)
+        caller = (frame.f_code.co_filename, frame.f_lineno, None if block is None else tuple(block))
         with lock:
             if caller not in self._allocations:
                 self._allocations[caller] = np.empty(shape, dtype)

@@ -32,6 +32,7 @@ simulator as it is, for timing one against the other.
 """
 import hashlib
 import inspect
+from contextlib import contextmanager
 import os
 import threading
 import warnings
@@ -108,6 +109,10 @@ def kernel_with_errors_raised(target):  # BlockThread's debug wrapper
 
 class WokenBlockManager(PLAIN):
     def run(self, grid_point, *args):
+        self.start(grid_point, *args)
+        self.finish()
+
+    def start(self, grid_point, *args):
         points = list(np.ndindex(*self._block_dim))
         self.lock = threading.Lock()  # guards the three below
         self.live = len(points)  # threads not yet returned: the ones a barrier waits for;
@@ -123,10 +128,13 @@ class WokenBlockManager(PLAIN):
         for t, p, after in zip(threads, points, threads[1:] + [None]):
             t.play(self, target, grid_point, p, after)
         threads[0].given.release()
+        self.threads = threads
+
+    def finish(self):
         self.over.wait()
         with self.lock:
             if self.failed is not None:
-                for t in threads:  # the others raise at their next barrier, or now if at one
+                for t in self.threads:  # the others raise at their next barrier, or now if at one
                     t.abort = True
                 self.open_barrier()
                 raise self.failed[0].with_traceback(self.failed[1])
@@ -150,6 +158,35 @@ class WokenBlockManager(PLAIN):
                 self.open_barrier()
             if not self.live:
                 self.over.set()
+
+
+class ConcurrentBlocks(WokenBlockManager):
+    """Every thread block of a launch at once, as on a GPU whose grid fits: the launch
+    starts each block and waits for them all at its last. The simulator runs one block
+    after another, so a kernel whose blocks wait for each other (the megakernel's grid
+    barrier, fast/mega/interpreter.py) would wait forever there. A block that raises
+    leaves the others waiting at their grid barrier: the launch raises its exception."""
+
+    started: list = []  # this launch's blocks so far
+
+    def run(self, grid_point, *args):
+        self.start(grid_point, *args)
+        ConcurrentBlocks.started.append(self)
+        if tuple(grid_point) == tuple(n - 1 for n in self._grid_dim):  # the launch's last block
+            blocks, ConcurrentBlocks.started = ConcurrentBlocks.started, []
+            for block in blocks:
+                block.finish()
+
+
+@contextmanager
+def concurrent_blocks():
+    """Within it, the simulator runs a launch's thread blocks at once (ConcurrentBlocks)."""
+    assert kernel.BlockManager is WokenBlockManager, "install() first: the woken barriers run the blocks"
+    kernel.BlockManager = ConcurrentBlocks
+    try:
+        yield
+    finally:
+        kernel.BlockManager = WokenBlockManager
 
 
 def install() -> bool:
