@@ -72,7 +72,7 @@ def test_stats_say_which_kernels_were_compiled_and_which_loaded(made, says, tiny
     (["run", "--kernels", "fastest", "hi"], "'fastest' is not one of 'plain', 'fast'"),
     (["bench", "--device", "cpu", "--kernels", "plain,fast", "--depths", "4"],
      "--kernels picks the cuda backend's tiers; the numpy backend (--device cpu) runs the references"),
-    (["bench", "--kernels", "plain,faster", "--depths", "4"], "--kernels takes tiers from plain, fast, got 'plain,faster'"),
+    (["bench", "--kernels", "plain,faster", "--depths", "4"], "--kernels takes tiers from plain, fast, mega, got 'plain,faster'"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, message, tiny_model, capsys):
     code, out, err = run_cli(argv[:1] + ["--model", tiny_model] + argv[1:], capsys)

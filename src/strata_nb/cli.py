@@ -12,7 +12,7 @@ import click
 
 from .errors import SettingError, StrataError
 from .kv_layout import USER_FORMATS
-from .settings import MAX_WINDOW
+from .settings import KERNELS, MAX_WINDOW
 
 KV_CHOICE = click.Choice(USER_FORMATS)
 _ARGV: list[str] = []  # the command line main() was given, for outputs that record it
@@ -30,10 +30,12 @@ def engine_options(f):
                      help="KV cells per layer (default: the model's trained context, 8192 for the default model)."),
         click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
                      help="cpu runs the NumPy references; cuda the Numba-CUDA kernels."),
-        click.option("--kernels", type=click.Choice(["plain", "fast"]), default="fast", show_default=True,
+        click.option("--kernels", type=click.Choice(["plain", "fast", "mega"]), default="fast", show_default=True,
                      help="On the cuda backend: plain runs one plain kernel per op (src/strata_nb/kernels/), "
                           "fast the fast tier's fused kernels, dependent launches and CUDA graphs "
-                          "(src/strata_nb/fast/). The CPU runs the references either way."),
+                          "(src/strata_nb/fast/), mega the fast tier with each greedy decode step of a resident "
+                          "dense model one launch of a persistent kernel (src/strata_nb/fast/mega/). The CPU runs "
+                          "the references either way."),
         click.option("--prefill-chunk", type=int, default=None,
                      help="Prompt tokens per forward pass (default: 256 on the CPU, 2048 on a GPU)."),
         click.option("--kv-window", type=int, default=256, show_default=True,
@@ -150,6 +152,8 @@ def run(prompt, max_tokens, temperature, top_k, top_p, seed, raw, stats, **engin
                    f"({s.finish_reason})", err=True)
         if eng.be.name == "cuda":
             click.echo(f"kernels: {eng.be.kernels}", err=True)
+        if eng.mega_note:
+            click.echo(f"decode steps: {eng.mega_note}", err=True)
         if eng.be.dependent_launches() not in ("off", "no GPU", "off: plain kernels"):  # fast/dependent_launch.py
             click.echo(f"dependent launches: {eng.be.dependent_launches()}", err=True)
         prompt_kernels = eng.be.prompt_kernels(eng.config.head_dim)
@@ -228,7 +232,9 @@ def _prompt_text(prompt: str | None) -> str:
 @click.option("--kv", type=KV_CHOICE, default="fp16", show_default=True, help="KV format to size.")
 @click.option("--max-context", type=int, default=None, help="Context to size the KV for (default: trained).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def info(model, kv, max_context, as_json):
+@click.option("--mega-plan", is_flag=True,
+              help="Print the megakernel's plan for a decode step (--kernels mega): its work items, in order.")
+def info(model, kv, max_context, as_json, mega_plan):
     """Print the model's facts and the KV format's sizes."""
     from .model.fetch import model_path
     from .model.gguf_file import GGUFModel
@@ -236,6 +242,9 @@ def info(model, kv, max_context, as_json):
 
     m = GGUFModel(model_path(model))
     c = m.config
+    if mega_plan:
+        click.echo(_mega_plan(m, kv))
+        return
     ctx = max_context or c.context_length
     cell = cell_bytes(kv, c.n_kv_heads, c.head_dim)
     local = sum(c.local(i) for i in range(c.n_layers))  # sliding-window layers: their cells stop at a ring
@@ -267,6 +276,26 @@ def info(model, kv, max_context, as_json):
         elif k == "bytes_at_max_context":
             v = f"{v} ({v / 2**20:.1f} MiB)"
         click.echo(f"{k:<{width}}  {v}")
+
+
+def _mega_plan(m, kv: str, **geometry) -> str:
+    """info --mega-plan: the plan, or why the megakernel does not run this model
+    (geometry: plan.describe's threads and splits, where not this machine's)."""
+    from .fast.mega.plan import build_plan, describe, why_not
+
+    c = m.config
+    fused = {"wqkv": ("attn_q", "attn_k", "attn_v"), "wo": ("attn_output",), "wgate_up": ("ffn_gate", "ffn_up"),
+             "wdown": ("ffn_down",)}
+
+    def stored(layer: int, names) -> str:  # as the cuda backend stores a fused matrix: F32 where its parts differ
+        parts = {m.tensor(f"blk.{layer}.{name}.weight").qtype for name in names}
+        return parts.pop() if len(parts) == 1 else "F32"
+
+    types = {} if c.n_expert else {kind: {stored(i, names) for i in range(c.n_layers)} for kind, names in fused.items()}
+    why = why_not(c, kv, True, True, types, **({"threads": geometry["threads"]} if geometry else {}))
+    if why is not None:
+        raise StrataError(f"the megakernel does not run {c.name or m.path} with {kv} KV: {why}")
+    return describe(build_plan(c.n_layers, kv), c, kv, **geometry)
 
 
 def _tensor_type_counts(m) -> dict:
@@ -433,7 +462,7 @@ def _numbers(text: str, flag: str, kind, what: str) -> list:
 @click.option("--graph/--no-graph", default=True, show_default=True, help="Replay decode steps from a CUDA graph.")
 @click.option("--kernels", "kernel_tiers", default="fast", show_default=True,
               help="The cuda backend's tiers to time, e.g. fast,plain: the plain tier's resident and streamed "
-                   "rows beside the fast tier's.")
+                   "rows beside the fast tier's; fast,mega the megakernel's beside the fast tier's.")
 @click.option("--max-context", type=int, default=None, help="KV cells per layer (default: the model's trained context).")
 @click.option("--out", type=click.Path(file_okay=False), default="bench-out", show_default=True,
               help="Folder for bench.json, bench.md and bench.png.")
@@ -470,8 +499,8 @@ def bench(model, formats, streamed_formats, depths, runs, decode_tokens, check_t
     if runs < 1 or decode_tokens < 1 or check_tokens < 0:
         raise StrataError("--runs and --decode-tokens must be >= 1, --check-tokens >= 0")
     tiers = tuple(dict.fromkeys(t.strip() for t in kernel_tiers.split(",") if t.strip()))
-    if not tiers or any(t not in ("plain", "fast") for t in tiers):
-        raise StrataError(f"--kernels takes tiers from plain, fast, got {kernel_tiers!r}")
+    if not tiers or any(t not in KERNELS for t in tiers):
+        raise StrataError(f"--kernels takes tiers from {', '.join(KERNELS)}, got {kernel_tiers!r}")
     shares = _shares(expert_cache) if expert_cache is not None else None
     windows = _windows(spec_windows) if spec_windows is not None else None
     if llama_bench is not None:

@@ -8,7 +8,8 @@ from .errors import SettingError
 from .kv_layout import BLOCK, FORMATS
 
 DEVICES = ("auto", "cpu", "cuda")
-KERNELS = ("plain", "fast")  # the cuda backend's two tiers: src/strata_nb/kernels/ and src/strata_nb/fast/
+KERNELS = ("plain", "fast", "mega")  # the cuda backend's tiers: src/strata_nb/kernels/, src/strata_nb/fast/ and
+# the fast tier with its decode step as one megakernel launch (src/strata_nb/fast/mega/)
 FAULTS = ("none", "drop-v-mirror", "verify-no-mirror", "expert-early-resident")
 MAX_WINDOW = 8  # --spec: positions a verify window holds, at most (the matvec's rows)
 
@@ -21,7 +22,7 @@ class Settings:
     kv_window: int = 256  # recent cells per layer held in the ring (streaming)
     qsa_budget: int = 0  # cells a query reads with block selection; 0 = every cell
     device: str = "auto"  # auto, cpu (the numpy backend), cuda
-    kernels: str = "fast"  # on the cuda backend: plain (one plain kernel per op) or fast (fused, graphs)
+    kernels: str = "fast"  # on the cuda backend: plain (one plain kernel per op), fast (fused, graphs) or mega
     max_context: int | None = None  # cells per layer the KV cache holds; None = the model's trained context
     prefill_chunk: int | None = None  # prompt tokens per forward pass; None = the backend's (prefill_chunk)
     fault: str = "none"  # teaching switches: drop-v-mirror (the unfolded-V-half bug), verify-no-mirror, expert-early-resident

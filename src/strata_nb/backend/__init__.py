@@ -2,8 +2,9 @@
 
 `numpy`: the references on the CPU. `cuda`: the @cuda.jit kernels (and, with
 NUMBA_ENABLE_CUDASIM=1, the same kernels under Numba's simulator), in one of two tiers
-(`--kernels`): `plain`, one plain kernel per op (cuda_backend.py), or `fast`, the fast
-tier's fused kernels and launches (fast/backend.py, the default).
+(`--kernels`): `plain`, one plain kernel per op (cuda_backend.py), `fast`, the fast
+tier's fused kernels and launches (fast/backend.py, the default), or `mega`, the fast
+tier with each decode step one launch of a persistent kernel (fast/mega/).
 
 `--device cpu` is numpy, `--device cuda` is cuda (a GPU, or the simulator when it is
 switched on), and `--device auto` is cuda only on a real GPU: the simulator is for tests,
@@ -21,6 +22,9 @@ def gpu_present() -> bool:
     return not config.ENABLE_CUDASIM and cuda.is_available()
 
 
+FAST_TIERS = ("fast", "mega")  # the backends of the fast tier: device steps, graphs, fused launches
+
+
 def get_backend(device: str, kernels: str = "fast"):
     from numba import config, cuda
 
@@ -32,6 +36,10 @@ def get_backend(device: str, kernels: str = "fast"):
             from .cuda_backend import CudaBackend
 
             return CudaBackend()
+        if kernels == "mega":
+            from ..fast.mega.step import MegaBackend
+
+            return MegaBackend()
         from ..fast.backend import FastCudaBackend
 
         return FastCudaBackend()

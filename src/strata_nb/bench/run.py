@@ -46,8 +46,8 @@ class Config:
             mode += f", experts {slots}/{every} cached"
         if self.spec:
             mode += f", spec {self.spec}"
-        if self.kernels == "plain":
-            mode += ", plain kernels"
+        if self.kernels != "fast":
+            mode += f", {self.kernels} kernels"
         return mode
 
     def settings(self, kv_window: int) -> dict:
@@ -155,7 +155,10 @@ def run_config(base, cfg: Config, prompt: list[int], runs: int, n_decode: int) -
     rate = statistics.median(decode_rates)
     replayed = eng.spec_passes()[0].get(cfg.spec) if cfg.spec else step  # what the timed tokens ran on
     per_token = weight_bytes(base.weights) + kv_bytes_read(eng, cfg.depth)
-    return Row(cfg.fmt, cfg.mode, cfg.depth, statistics.median(prefill_rates), rate, prefill_rates, decode_rates,
+    mode = cfg.mode
+    if cfg.kernels == "mega" and type(step).__name__ != "MegaStep":  # the fast tier's step ran: say why
+        mode += f" ({eng.mega_note})"
+    return Row(cfg.fmt, mode, cfg.depth, statistics.median(prefill_rates), rate, prefill_rates, decode_rates,
                bool(replayed is not None and replayed.use_graph), cfg.depth * token_bytes(cfg.fmt, base.config), per_token,
                per_token * rate / 1e9, eng.kv.counters.hit_rate if eng.kv.streamed else None, tokens,
                _median_run(expert_runs, decode_rates), _median_run(spec_runs, decode_rates),

@@ -33,7 +33,7 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
-from ..backend import gpu_present
+from ..backend import FAST_TIERS, gpu_present
 from ..errors import StrataError
 from ..gpu.launch import stream
 from ..fast.advance_step import advance_step, advance_step_ref
@@ -70,7 +70,7 @@ class DeviceStep:
 
     @staticmethod
     def supported(be, kv) -> bool:
-        return be.kernels == "fast" and kv.step is not None
+        return be.kernels in FAST_TIERS and kv.step is not None
 
     def launch(self):
         """The step's launches: the forward pass, the pick (greedy or drawn), advance."""

@@ -13,7 +13,7 @@ from typing import Iterator
 
 import numpy as np
 
-from ..backend import get_backend
+from ..backend import FAST_TIERS, get_backend
 from ..errors import SettingError, StrataError
 from ..gpu.geometry import SIMULATED
 from ..kernel_cache import CompileProgress, package_kernels
@@ -101,7 +101,7 @@ class Engine:
         else:
             self.tokenizer = Tokenizer(model)
             self.weights = load_weights(be, model)
-        self.kv = KVCache(be, self.config, settings, rows_alone=be.kernels == "fast" and device_prompt_enabled())
+        self.kv = KVCache(be, self.config, settings, rows_alone=be.kernels in FAST_TIERS and device_prompt_enabled())
         self.load_seconds = 0.0  # set by Engine.load
         if self.kv.streamed and not quiet:
             print(self.kv.describe(), file=sys.stderr)
@@ -119,6 +119,8 @@ class Engine:
         self._spec_passes = None  # ({width: VerifyWindow}, DeviceStep) once speculation first runs on the GPU
         self._prompt_chunks = None  # PromptChunks once a prefill first runs on the GPU path
         self._reply_steps: dict = {}  # sampling kind -> the DeviceStep replies reuse (reply_step)
+        self._mega_model = None  # --kernels mega: the weights stacked by layer, once a MegaStep needs them
+        self.mega_note = None  # --kernels mega: how the last device step ran, and why when not as one launch
 
     def _expert_cache(self, shared: "Engine | None"):
         """An MoE model's expert cache, sized once the KV cache has taken its memory; a derived
@@ -151,7 +153,7 @@ class Engine:
         path = model_path(settings.model)
         t0 = time.perf_counter()
         model = GGUFModel(path)
-        plain_only = model.config.arch not in FAST_ARCHS and settings.kernels == "fast"
+        plain_only = model.config.arch not in FAST_ARCHS and settings.kernels in FAST_TIERS
         if plain_only:
             settings.kernels = "plain"
         be = get_backend(settings.device, settings.kernels)
@@ -278,7 +280,23 @@ class Engine:
         Its draws use s.seed, or one seed taken from `rng`."""
         if not DeviceStep.supported(self.be, self.kv):
             return None
-        return DeviceStep(self.be, self.weights, self.kv, self.settings.graph, s, self._step_seed(s, rng))
+        return self._mega_step(s) or DeviceStep(self.be, self.weights, self.kv, self.settings.graph, s,
+                                                self._step_seed(s, rng))
+
+    def _mega_step(self, s: SamplingSettings | None):
+        """--kernels mega: the step as one launch of the megakernel (fast/mega/) where it can
+        run it, else None (the fast tier's step runs, and `mega_note` says why)."""
+        if self.be.kernels != "mega":
+            return None
+        from ..fast.mega.step import MegaModel, MegaStep
+
+        why = MegaStep.why_not(self.be, self.kv, self.weights, greedy=s is None or s.temperature == 0)
+        self.mega_note = "one megakernel launch a step" if why is None else f"the fast tier's (the megakernel: {why})"
+        if why is not None:
+            return None
+        if self._mega_model is None:
+            self._mega_model = MegaModel(self.be, self.weights)
+        return MegaStep(self.be, self.weights, self.kv, self.settings.graph, self._mega_model)
 
     @staticmethod
     def _step_seed(s: SamplingSettings | None, rng) -> int:
@@ -298,7 +316,8 @@ class Engine:
         if step is None:
             if isinstance(key, tuple):  # one device-drawn kind at a time
                 self._reply_steps = {k: v for k, v in self._reply_steps.items() if not isinstance(k, tuple)}
-            step = self._reply_steps[key] = DeviceStep(self.be, self.weights, self.kv, self.settings.graph, s, seed)
+            step = self._reply_steps[key] = self._mega_step(s) or DeviceStep(self.be, self.weights, self.kv,
+                                                                             self.settings.graph, s, seed)
         step.forget_inputs()  # a prefill came since its last step: write this reply's inputs
         return step
 

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..backend import gpu_present
+from ..backend import FAST_TIERS, gpu_present
 from ..gpu.geometry import SIMULATED
 from ..kv_layout import BLOCK
 from .forward import forward
@@ -106,7 +106,7 @@ class PromptChunks:
 
     @staticmethod
     def supported(be, kv) -> bool:
-        return be.kernels == "fast" and kv.rows_alone and not kv.streamed
+        return be.kernels in FAST_TIERS and kv.rows_alone and not kv.streamed
 
     def fits(self, start: int, n: int) -> bool:
         """Do the padded chunk's cells fit the cache? (The kernels do not bounds-check positions.)"""

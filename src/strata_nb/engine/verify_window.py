@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..backend import gpu_present
+from ..backend import FAST_TIERS, gpu_present
 from ..kernels.step.argmax import argmax, argmax_ref
 from ..kv_layout import BLOCK
 from .forward import forward
@@ -53,7 +53,7 @@ class VerifyWindow:
 
     @staticmethod
     def supported(be, kv) -> bool:
-        return be.kernels == "fast" and kv.step is not None
+        return be.kernels in FAST_TIERS and kv.step is not None
 
     def fits(self, pos: int) -> bool:
         """Do T cells from pos fit the cache? (The kernels do not bounds-check positions.)"""

@@ -75,7 +75,11 @@ def variant(fn) -> str:
     """Which of a factory's kernels fn is: the factory's arguments it was made from
     (device functions by name, constants by value), read from its closure. Values the
     factory derives may differ under the simulator (a split's lanes, a tile's rows); its
-    arguments do not, so the compiling process finds the very kernel that was launched."""
+    arguments do not, so the compiling process finds the very kernel that was launched.
+    A kernel made on demand (not at its module's import) names its variant itself, in
+    `made_from`, and its module remakes it from that (`remake`)."""
+    if isinstance(getattr(fn, "made_from", None), str):
+        return fn.made_from
     factory_name = fn.__qualname__.split(".<locals>")[0] if ".<locals>" in fn.__qualname__ else None
     factory = getattr(sys.modules[fn.__module__], factory_name, None) if factory_name else None
     if factory is None:
@@ -279,6 +283,8 @@ _CHILD = textwrap.dedent('''
         found = [d for v in vars(mod).values() for d in dispatchers(v)
                  if d.py_func.__qualname__ == qualname and d.py_func.__code__.co_firstlineno == line
                  and variant(d.py_func) == made_from]
+        if not found and hasattr(mod, "remake"):  # made on demand: remade from its variant
+            found = [d for d in [mod.remake(made_from)] if d.py_func.__qualname__ == qualname]
         if not found:
             failures.append(f"{module}.{qualname} (line {line}): kernel not found at import")
             continue

@@ -82,3 +82,8 @@ SELECT_ROWS_THREADS = on_gpu(256, simulator=32)  # threads of a query's selectio
 SELECT_CANDIDATES = on_gpu(4, simulator=8)  # blocks a selection thread block ranks
 SELECT_PARTS = on_gpu(64, simulator=4)  # threads per candidate
 SELECT_SHARED_SCORES = on_gpu(4096, simulator=64)  # candidates' scores held in shared memory
+
+# ---- the megakernel: fast/mega/ ----------------------------------------------------------
+MEGA_ON_GPU = dict(threads=256, splits=16)  # (the plan's printout for the docs shows a GPU's)
+MEGA_THREADS = on_gpu(MEGA_ON_GPU["threads"], simulator=128)  # threads of each thread block (8 warps)
+MEGA_SPLITS = on_gpu(MEGA_ON_GPU["splits"], simulator=2)  # shares of a KV head's cells that attention folds apart

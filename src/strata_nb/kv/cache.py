@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..backend import FAST_TIERS
 from ..kernels.attention.attention import attention, attention_ref
 from ..kernels.kv.copy_runs import as_words, copy_runs, copy_runs_ref
 from ..kernels.kv.hadamard import hadamard, hadamard_ref
@@ -38,17 +39,18 @@ class LayerKV(KVDest):
     """One layer: the pool ("VRAM", by slot), its page table, the host copy (by block)."""
 
     def __init__(self, be, fmt, n_kv, head_dim, n_blocks, plan: StreamPlan | None, qsa: bool, maps=None,
-                 window: int = 0, ring: int = 0):
+                 window: int = 0, ring: int = 0, pool: dict | None = None):
         """maps: streaming, this layer's rows of the cache's device maps (page table, slot ->
         block), as SlotTable starts them: nothing mapped. window: a sliding-window layer's
         (its queries see their last `window` positions), else 0; ring: its slots, block b
-        in slot b % ring (0: a slot for every block), with neither plan nor QSA."""
+        in slot b % ring (0: a slot for every block), with neither plan nor QSA. pool: the
+        layer's pool arrays when the cache holds them (KVCache.stacked), else made here."""
         assert not ring or (plan is None and not qsa), "a ring layer neither streams nor selects"
         self.window, self.ring = window, ring
         arrays = pool_arrays(fmt, head_dim)
         # --8<-- [start:ring_pool]
         n_slots = ring or (n_blocks if plan is None else plan.n_ring + plan.n_pool)
-        pool = {a.field: be.zeros((n_slots, n_kv, BLOCK, a.per_head), a.dtype) for a in arrays}
+        pool = pool or {a.field: be.zeros((n_slots, n_kv, BLOCK, a.per_head), a.dtype) for a in arrays}
         host = None if plan is None else {
             a.field: be.host_array((n_blocks, n_kv, BLOCK, a.per_head), a.dtype) for a in arrays}
         self.slots = None if plan is None else SlotTable(n_blocks, plan.n_ring, plan.n_pool)
@@ -83,11 +85,17 @@ class KVCache:
         # a sliding-window layer's ring, where it is smaller than the context
         ring = ring_blocks(cfg.window, max(settings.prefill_chunk or 256, settings.spec + 1)) if cfg.window else 0
         ring = ring if ring < self.n_blocks else 0
+        # Fully resident without rings, every layer's pool is one row of an array per field:
+        # the megakernel's step (fast/mega/) reaches every layer's cells through one argument
+        self.stacked = None if self.plan is not None or ring else {
+            a.field: be.zeros((cfg.n_layers, self.n_blocks, cfg.n_kv_heads, BLOCK, a.per_head), a.dtype)
+            for a in pool_arrays(self.fmt, cfg.head_dim)}
         self.layers = [LayerKV(be, self.fmt, cfg.n_kv_heads, cfg.head_dim, self.n_blocks,
                                None if cfg.local(i) and ring else self.plan,
                                qsa=self.qsa_budget > 0 and not (cfg.local(i) and ring),
                                maps=None if self.maps is None else (self.maps[0][i], self.maps[1][i]),
-                               window=cfg.window if cfg.local(i) else 0, ring=ring if cfg.local(i) else 0)
+                               window=cfg.window if cfg.local(i) else 0, ring=ring if cfg.local(i) else 0,
+                               pool=None if self.stacked is None else {f: a[i] for f, a in self.stacked.items()})
                        for i in range(cfg.n_layers)]
         # --8<-- [end:rings]
         identity = be.asarray(np.arange(self.n_blocks, dtype=np.int32))
@@ -95,7 +103,7 @@ class KVCache:
             {f: be.zeros((self.n_blocks,) + tuple(a.shape[1:]), a.dtype)
              for f, a in self.layers[0].pool.items()}, identity, None)
         self._counters = StreamCounters()
-        self.step = StepBlocks(be, self) if be.kernels == "fast" else None  # the fast tier's replayed steps
+        self.step = StepBlocks(be, self) if be.kernels in FAST_TIERS else None  # the fast tier's replayed steps
         self._device_newer = False  # a replayed step moved the ring or counted lookups on the device
         self._hadamard = be.op(hadamard_ref, hadamard)
         self._attention = be.op(attention_ref, attention)

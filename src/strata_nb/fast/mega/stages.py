@@ -1,0 +1,313 @@
+"""What the thread blocks do for each kind of item in the plan (plan.py): device functions
+the interpreter (interpreter.py) calls with every thread of the grid.
+
+Plain twins: each stage is a plain kernel's device body run over a share of the grid, as
+listed below; together they are the step engine/forward.py launches op by op.
+
+Nothing here computes anything the plain tier does not. A product is the plain matvec's:
+a warp per row of W, its lanes summing their parts through `row_sums` and gguf_rows.py's
+dequantizers (kernels/dense/matvec.py), then a warp_sum. RoPE is the plain RoPE's
+`turn_pair`, the gate swiglu's `silu_times`, the norm rmsnorm's `norm_row`, attention the
+plain attention's `fold_block` (kernels/attention/attention.py), the cells are written by
+the one writer's device bodies (kv_append_fp16's `store_cell`, kv_append_q8's and
+kv_append_q4's warps) and the pick is argmax's `first_of_max`. What is new is how the work
+is shared out, and that no launch ends between one item and the next.
+
+Sharing out. A product's rows are warps' units: the grid's W warps take rows w, w + W,
+w + 2W, ... Every thread runs the same number of rounds, and a warp whose row is past the
+last redoes the last row and writes nothing: a warp's shuffles want all its lanes, and
+under the simulator a warp reduction waits for the whole thread block. Attention's units
+are thread blocks': a KV head's share of the cells, its G query heads a group of threads
+each, a thread per dim (the plain kernel's thread block, G times over).
+
+Input rows. A product's input (rmsnorm(x), or attention's merged output) is made by every
+thread block into its own shared memory, `xs`: a few thousand values at most, which cost
+less to make again than a barrier more would. The interpreter makes rmsnorm(x) before the
+items that read it (q|k|v, gate|up and the head): rmsnorm's block_sum keeps its partial
+sums in a shared array, and Numba links a device function's shared array once for every
+device function that calls it, which NVVM refuses as a symbol defined twice.
+"""
+from __future__ import annotations
+
+import math
+
+from numba import cuda, float32
+
+from ...gpu.reduce import NEG_INF, WARP, warp_sum
+from ...kernels.dense.gguf_rows import PART
+from ...kernels.dense.rope import turn_pair
+from ...kernels.dense.swiglu import silu_times
+from ...kernels.kv.hadamard import N as HADAMARD_N
+from ...kernels.kv.hadamard import fwht64
+from ...kernels.kv.kv_append_fp16 import cell_home, store_cell
+from ...kernels.kv.kv_append_q4 import append_q4_warp
+from ...kernels.kv.kv_append_q8 import append_q8_warp
+from ...kernels.step.argmax import first_of_max
+from ...kv_layout import BLOCK, INT8_GROUP, Q4_GROUP
+
+
+# --8<-- [start:rounds]
+@cuda.jit(device=True)
+def warp_rounds(n_units):
+    """Rounds the grid's warps take to cover n_units, one unit a warp a round."""
+    warps = cuda.gridDim.x * (cuda.blockDim.x // WARP)
+    return (n_units + warps - 1) // warps
+
+
+@cuda.jit(device=True)
+def warp_unit(r, n_units):
+    """This warp's unit in round r, and whether it is a real one (else the last, redone)."""
+    warps = cuda.blockDim.x // WARP
+    unit = (r * cuda.gridDim.x + cuda.blockIdx.x) * warps + cuda.threadIdx.x // WARP
+    return min(unit, n_units - 1), unit < n_units
+
+
+def make_dot(row_sums):
+    """x[0] . W[o] for one weight type (its plain row_sums), in every lane of the warp."""
+
+    @cuda.jit(device=True)
+    def dot(x, n_in, a, b, o, lane):
+        acc = cuda.local.array(1, float32)
+        acc[0] = float32(0.0)
+        row_sums(x, n_in, a, b, o, lane, acc)
+        return warp_sum(acc[0])
+
+    return dot
+
+
+def make_product(dot, add):
+    """out[0, o] = inputs[0] . W[o] (add: out[0, o] += ...) for each of out's rows o: a warp a row."""
+
+    @cuda.jit(device=True)
+    def product(out, a, b, inputs, n_in):
+        lane = cuda.threadIdx.x % WARP
+        rows = out.shape[1]
+        for r in range(warp_rounds(rows)):
+            o, writes = warp_unit(r, rows)
+            y = dot(inputs, n_in, a, b, o, lane)
+            if writes and lane == 0:
+                out[0, o] = out[0, o] + y if add else y
+
+    return product
+# --8<-- [end:rounds]
+
+
+def make_embed_stage(row_part):
+    @cuda.jit(device=True)
+    def embed_stage(token, a, b,  # the token id; views a, b of the embedding table's rows
+                    x):           # (1, d) float32, written: the residual stream
+        for q in range(cuda.grid(1), x.shape[1] // PART, cuda.gridDim.x * cuda.blockDim.x):
+            row_part(a, b, token, q, x, 0)  # values 8q.. of the row, a thread each
+
+    return embed_stage
+
+
+# --8<-- [start:qkv_stage]
+@cuda.jit(device=True)
+def store_pair(side, h, j, x0, x1, block, cell, slot, cells_k, cells_v, no_host_k, no_host_v):
+    """fp16 cells, written where they are made (as the fast tier's q|k|v epilogue does): the
+    one writer's body for values j and j + 1, the slot and the host copy if there is one."""
+    store_cell(side, h, j, x0, block, cell, slot, cells_k, cells_v, no_host_k, no_host_v)
+    store_cell(side, h, j + 1, x1, block, cell, slot, cells_k, cells_v, no_host_k, no_host_v)
+
+
+@cuda.jit(device=True)
+def leave_pair(side, h, j, x0, x1, block, cell, slot, cells_k, cells_v, no_host_k, no_host_v):
+    """Quantized cells: a group's scale needs all its values, so an append item writes them."""
+    pass
+
+
+def make_qkv_stage(dot, write_pair):
+    """write_pair: store_pair or leave_pair, by the KV format."""
+
+    @cuda.jit(device=True)
+    def qkv_stage(pos, d,             # the position; the length of x
+                  a, b,               # views of this layer's Wqkv rows: q heads, k heads, v heads
+                  cos, sin,           # (context, hd / 2) float32 RoPE tables
+                  q,                  # (n_heads, hd) float32, written
+                  k_new, v_new,       # (1, n_kv, hd) float32, written: the step's k (roped) and v
+                  page_table, cells_k, cells_v, no_host_k, no_host_v,  # the layer's cells (fp16)
+                  xs):                # (1, >= d) float32 shared: rmsnorm(x), this block's copy
+        n_heads, hd = q.shape
+        n_kv = k_new.shape[1]
+        lane = cuda.threadIdx.x % WARP
+        block, cell, slot = cell_home(pos, page_table)
+        pairs = (n_heads + 2 * n_kv) * hd // 2  # RoPE turns rows 2i and 2i + 1 together
+        for r in range(warp_rounds(pairs)):
+            unit, writes = warp_unit(r, pairs)
+            x0 = dot(xs, d, a, b, 2 * unit, lane)
+            x1 = dot(xs, d, a, b, 2 * unit + 1, lane)
+            head, j = 2 * unit // hd, 2 * unit % hd
+            if head < n_heads + n_kv:  # a q or k head: turned by the position's angle for pair j / 2
+                x0, x1 = turn_pair(x0, x1, cos[pos, j // 2], sin[pos, j // 2])
+            if writes and lane == 0:
+                if head < n_heads:
+                    q[head, j], q[head, j + 1] = x0, x1
+                else:
+                    side = 0 if head < n_heads + n_kv else 1  # K, then V
+                    h = head - n_heads - side * n_kv
+                    new = k_new if side == 0 else v_new
+                    new[0, h, j], new[0, h, j + 1] = x0, x1
+                    write_pair(side, h, j, x0, x1, block, cell, slot, cells_k, cells_v, no_host_k, no_host_v)
+
+    return qkv_stage
+# --8<-- [end:qkv_stage]
+
+
+# --8<-- [start:append_stage]
+@cuda.jit(device=True)
+def append_k8v4_stage(positions,  # (1,) int32: the step's position
+                      k_new, v_new, page_table,
+                      k_q, k_s, v_q4, v_d,  # the layer's cells: int8 K and its scales, q4_0 V (bytes, fp16)
+                      no_host_q, no_host_s, no_host_q4, no_host_d):
+    """k8v4's two halves, as kv_append_k8v4 passes them: K through kv_append_q8's warp, V
+    through kv_append_q4's (which rotates it), each folded (its K side only runs here; a
+    unit from 2 * units on writes nothing)."""
+    n_kv, hd = k_new.shape[1], k_new.shape[2]
+    lane = cuda.threadIdx.x % WARP
+    k_units = n_kv * (hd // INT8_GROUP)
+    for r in range(warp_rounds(k_units)):
+        unit, writes = warp_unit(r, k_units)
+        append_q8_warp(unit if writes else 2 * k_units, lane, k_new, k_new, positions, page_table,
+                       k_q, k_s, k_q, k_s, no_host_q, no_host_s, no_host_q, no_host_s)
+    v_units = n_kv * (hd // Q4_GROUP)
+    for r in range(warp_rounds(v_units)):
+        unit, writes = warp_unit(r, v_units)
+        append_q4_warp(unit if writes else 2 * v_units, lane, v_new, v_new, positions, page_table,
+                       v_q4, v_d, v_q4, v_d, no_host_q4, no_host_d, no_host_q4, no_host_d, True)
+
+
+@cuda.jit(device=True)
+def cells_written(positions, k_new, v_new, page_table, ka, kb, va, vb, hka, hkb, hva, hvb):
+    """fp16: the q|k|v item wrote the cells (store_pair); a plan for it has no append item."""
+    pass
+# --8<-- [end:append_stage]
+
+
+# --8<-- [start:attend_stage]
+def make_attend_stage(fold_block):
+    @cuda.jit(device=True)
+    def attend_stage(pos, q, scale,  # q (n_heads, hd) float32
+                     page_table, ka, kb, va, vb, hka, hkb, hva, hvb,  # the layer's cells (fold_block's)
+                     part_m, part_l,  # (n_heads, splits) float32, written: each share's max and sum
+                     part_acc,        # (n_heads, splits, hd) float32, written: its weighted V sum
+                     q_s, k_s, scores):  # shared: (groups, >= hd), (16, >= hd), (groups, 16)
+        n_heads, hd = q.shape
+        n_kv = ka.shape[1]
+        group, splits = n_heads // n_kv, part_m.shape[1]
+        t = cuda.threadIdx.x
+        g, dim = min(t // hd, group - 1), t % hd  # threads past the group's redo its last head's dims
+        writes = t < group * hd
+        k_col = cuda.local.array(BLOCK, float32)
+        v_col = cuda.local.array(BLOCK, float32)
+        n_blocks = pos // BLOCK + 1
+        per_split = (n_blocks + splits - 1) // splits  # the shares of the cells up to the position
+        n_units = n_kv * splits
+        for r in range((n_units + cuda.gridDim.x - 1) // cuda.gridDim.x):
+            unit = r * cuda.gridDim.x + cuda.blockIdx.x
+            real, unit = unit < n_units, min(unit, n_units - 1)
+            kv_h, s = unit // splits, unit % splits
+            h = kv_h * group + g
+            q_s[g, dim] = q[h, dim]
+            m, l, acc = NEG_INF, float32(0.0), float32(0.0)
+            for blk in range(s * per_split, min((s + 1) * per_split, n_blocks)):
+                m, l, acc = fold_block(blk, 0, pos, kv_h, dim, scale, page_table, ka, kb, va, vb,
+                                       hka, hkb, hva, hvb, q_s[g, :hd], k_s, scores[g], k_col, v_col, m, l, acc)
+            if real and writes:
+                part_acc[h, s, dim] = acc
+                if dim == 0:
+                    part_m[h, s], part_l[h, s] = m, l
+            cuda.syncthreads()  # q_s is read before the next round writes it
+
+    return attend_stage
+# --8<-- [end:attend_stage]
+
+
+# --8<-- [start:wo_stage]
+def make_wo_stage(dot, rotated):
+    """rotated: V's cells are Hadamard-rotated (k8v4), so the output is turned back (H = H^-1)."""
+    product_add = make_product(dot, add=True)
+
+    @cuda.jit(device=True)
+    def wo_stage(x, a, b,  # x (1, d) float32, added to; views of this layer's Wo rows
+                 part_m, part_l, part_acc,  # attend's shares
+                 xs):      # (1, >= n_heads hd) float32 shared
+        n_heads, splits, hd = part_acc.shape
+        for e in range(cuda.threadIdx.x, n_heads * hd, cuda.blockDim.x):  # the shares merged, a value a thread
+            h, dim = e // hd, e % hd
+            top = NEG_INF
+            for s in range(splits):
+                if part_l[h, s] > 0:
+                    top = max(top, part_m[h, s])
+            total, mixed = float32(0.0), float32(0.0)
+            for s in range(splits):
+                if part_l[h, s] > 0:  # a share with no cell (past the position) holds nothing
+                    w = math.exp(part_m[h, s] - top)
+                    total += part_l[h, s] * w
+                    mixed += part_acc[h, s, dim] * w
+            xs[0, e] = mixed / total  # the position's own cell is always seen: total > 0
+        cuda.syncthreads()
+        if rotated:
+            for row in range(cuda.threadIdx.x, n_heads * hd // HADAMARD_N, cuda.blockDim.x):
+                fwht64(xs[0, row * HADAMARD_N:(row + 1) * HADAMARD_N])
+            cuda.syncthreads()
+        product_add(x, a, b, xs, n_heads * hd)
+
+    return wo_stage
+# --8<-- [end:wo_stage]
+
+
+# --8<-- [start:ffn_stages]
+def make_gate_up_stage(dot):
+    @cuda.jit(device=True)
+    def gate_up_stage(d, a, b,  # the length of x; views of this layer's Wgate_up rows: gate rows, then up rows
+                      h_ff,     # (1, ff) float32, written: silu(gate) * up
+                      xs):      # (1, >= d) float32 shared: rmsnorm(x)
+        ff = h_ff.shape[1]
+        lane = cuda.threadIdx.x % WARP
+        for r in range(warp_rounds(ff)):
+            i, writes = warp_unit(r, ff)
+            g = dot(xs, d, a, b, i, lane)
+            u = dot(xs, d, a, b, ff + i, lane)
+            if writes and lane == 0:
+                h_ff[0, i] = silu_times(g, u)
+
+    return gate_up_stage
+
+
+def make_down_stage(dot):
+    product_add = make_product(dot, add=True)
+
+    @cuda.jit(device=True)
+    def down_stage(x, a, b, h_ff):  # x += h_ff @ Wdown.T
+        product_add(x, a, b, h_ff, h_ff.shape[1])
+
+    return down_stage
+# --8<-- [end:ffn_stages]
+
+
+# --8<-- [start:head_stages]
+def make_head_stage(dot):
+    """head_stage(logits, a, b, xs, d): logits (1, vocab) float32 = xs[0, :d] @ Wout.T, xs
+    rmsnorm(x) in shared memory, a, b views of the output head's rows."""
+    return make_product(dot, add=False)
+
+
+@cuda.jit(device=True)
+def pick_stage(pos, logits, token, positions, chosen):
+    """Thread block 0 alone: the first index of the largest logit (argmax's rule) becomes
+    the next step's token, at the next position, and the host's copy in the ring `chosen`
+    (advance_step's rule: the step at p writes slot p % len(chosen))."""
+    if cuda.blockIdx.x != 0:
+        return
+    vocab = logits.shape[1]
+    best, best_j = NEG_INF, vocab  # vocab = "no value yet"
+    for j in range(cuda.threadIdx.x, vocab, cuda.blockDim.x):
+        if logits[0, j] > best or best_j == vocab:
+            best, best_j = logits[0, j], j
+    top, first = first_of_max(best, best_j, vocab)
+    if cuda.threadIdx.x == 0:
+        token[0] = first
+        chosen[pos % chosen.shape[0]] = first
+        positions[0] = pos + 1
+# --8<-- [end:head_stages]
