@@ -31,9 +31,11 @@ figure is typed by hand (tests/test_docs.py checks both are up to date):
   writes it (bench/report.py: the command as a reader pastes it, no machine's paths).
 
 - docs/measured/models/two_models.md: the default model and Gemma 3 270M side by side,
-  from the two files' metadata and tensors as the engine reads them. It needs both files
-  in the model cache (`strata-nb fetch`, `strata-nb fetch --model gemma3-270m`); where one
-  is absent it is neither written nor checked, and says so.
+  from the two files' metadata and tensors as the engine reads them, and
+  docs/measured/mega/plan.md, the megakernel's plan for the default model
+  (`strata-nb info --mega-plan`). They need the files in the model cache (`strata-nb
+  fetch`, `strata-nb fetch --model gemma3-270m`); where one is absent they are neither
+  written nor checked, and it says so.
 
     python tools/docs_tables.py           # rewrite them
     python tools/docs_tables.py --check   # exit 1 if any table is out of date (the plot is not checked)
@@ -62,6 +64,7 @@ READING = ROOT / "docs" / "reading-the-code.md"
 PLAIN_TIER = ROOT / "src" / "strata_nb" / "kernels"
 BY_HAND = ROOT / "docs" / "measured" / "load" / "q4_k_by_hand.md"
 TWO_MODELS = ROOT / "docs" / "measured" / "models" / "two_models.md"
+MEGA_PLAN = ROOT / "docs" / "measured" / "mega" / "plan.md"
 START = "<!-- bench-table: written by python tools/docs_tables.py from docs/measured/bench/bench.json -->"
 END = "<!-- /bench-table -->"
 
@@ -445,9 +448,22 @@ def two_models_table(files: dict[str, tuple[Path, str]]) -> str:
                                   "model cache)."]) + "\n"
 
 
+def mega_plans() -> str:
+    """`strata-nb info --mega-plan` on the default model, for both KV formats it runs."""
+    from strata_nb.cli import _mega_plan
+    from strata_nb.gpu.geometry import MEGA_ON_GPU
+    from strata_nb.model.fetch import default_model_path
+    from strata_nb.model.gguf_file import GGUFModel
+
+    model = GGUFModel(default_model_path())
+    blocks = [f"```text title=\"strata-nb info --mega-plan --kv {kv}\"\n{_mega_plan(model, kv, **MEGA_ON_GPU)}\n```" for kv in
+              ("fp16", "k8v4")]
+    return "\n\n".join(blocks) + "\n"
+
+
 def model_outputs() -> dict[Path, str]:
     """The tables made from model files (absent_models() must be empty)."""
-    return {TWO_MODELS: two_models_table(model_files())}
+    return {TWO_MODELS: two_models_table(model_files()), MEGA_PLAN: mega_plans()}
 
 
 def outputs() -> dict[Path, str]:
@@ -480,7 +496,8 @@ def main(argv: list[str]) -> int:
     absent = absent_models()
     tables = outputs() | ({} if absent else model_outputs())
     if absent:
-        print(f"not {'checked' if '--check' in argv else 'written'}: {TWO_MODELS.relative_to(ROOT)} "
+        print(f"not {'checked' if '--check' in argv else 'written'}: {TWO_MODELS.relative_to(ROOT)}, "
+              f"{MEGA_PLAN.relative_to(ROOT)} "
               f"reads model files this machine lacks: {', '.join(absent)}")
     stale = [p for p, text in tables.items() if not p.exists() or p.read_text() != text]
     if "--check" in argv:
