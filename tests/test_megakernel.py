@@ -191,3 +191,16 @@ def test_the_grid_barrier_holds_every_block_until_all_arrive():
     assert (seen == want).all(), seen
     assert sync[0] == 0 and sync[1] == 2 * rounds  # ready for the next launch: none arrived, a generation a barrier
 # --8<-- [end:barrier_test]
+
+
+@pytest.mark.sim_engine
+def test_a_clocked_step_times_every_item(model):
+    """The timeline the lesson's figure is drawn from: a time for each item of the plan."""
+    from strata_nb.fast.mega.step import MegaModel, MegaStep
+
+    eng = engine(model, "cuda", "mega")
+    token = int(np.argmax(eng.prefill(PROMPT)))
+    step = MegaStep(eng.be, eng.weights, eng.kv, False, MegaModel(eng.be, eng.weights), clocked=True)
+    step.run(token, len(PROMPT))
+    took = step.item_ns()
+    assert took.shape == (len(step.plan),) and (took > 0).all(), took

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from numba import cuda, float32
 
+from ...gpu.geometry import SIMULATED
 from ...kernels.attention.attention import FOLD_BLOCKS
 from ...kernels.dense.embed import ROW_PARTS
 from ...kernels.dense.matvec import ROW_SUMS
@@ -60,6 +61,28 @@ def grid_barrier(sync):  # (2,) int32: [arrived, generation]; [0, g] between bar
         cuda.threadfence()  # what the block reads next is what the others wrote
     cuda.syncthreads()
 # --8<-- [end:grid_barrier]
+
+
+# --8<-- [start:clock]
+if SIMULATED:
+    import time
+
+    def global_ns():
+        return time.perf_counter_ns()  # the simulator's clock: the host's
+else:
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    @intrinsic
+    def global_ns(typingctx):
+        """%globaltimer: the GPU's clock in nanoseconds, the same on every SM."""
+        def codegen(context, builder, signature, args):
+            read = ir.InlineAsm(ir.FunctionType(ir.IntType(64), []), "mov.u64 $0, %globaltimer;", "=l",
+                                side_effect=True)
+            return builder.call(read, [])
+        return types.int64(), codegen
+# --8<-- [end:clock]
 
 
 # --8<-- [start:interpreter]
@@ -97,13 +120,17 @@ def make_interpreter(types: dict, fmt: str):
                          k_new, v_new,  # (1, n_kv, hd) float32
                          part_m, part_l, part_acc,  # attention's shares: (n_heads, splits), (..., hd)
                          h_ff,       # (1, ff) float32
-                         logits):    # (1, vocab) float32
+                         logits,     # (1, vocab) float32
+                         timeline):  # (items + 1,) int64: when block 0 set out on each item, and ended; or (0,)
         pos = positions[0]
         xs = cuda.shared.array((1, MAX_D), float32)  # a product's input row, the block's own copy
         q_s = cuda.shared.array((MAX_GROUP, MAX_HEAD_DIM), float32)  # attention's query rows
         k_s = cuda.shared.array((BLOCK, MAX_HEAD_DIM), float32)
         scores = cuda.shared.array((MAX_GROUP, BLOCK), float32)
+        clocked = timeline.shape[0] > 0 and cuda.blockIdx.x == 0 and cuda.threadIdx.x == 0
         for item in range(plan.shape[0]):
+            if clocked:  # item i took timeline[i + 1] - timeline[i], its barrier's wait included
+                timeline[item] = global_ns()
             op, L = plan[item, 0], plan[item, 1]
             d = x.shape[1]
             if op == QKV or op == GATE_UP or op == HEAD:  # the items that read rmsnorm(x): into xs
@@ -132,6 +159,8 @@ def make_interpreter(types: dict, fmt: str):
                 pick_stage(pos, logits, token, positions, chosen)
             if item + 1 < plan.shape[0]:
                 grid_barrier(sync)
+        if clocked:
+            timeline[plan.shape[0]] = global_ns()
 
     return mega_step_kernel
 # --8<-- [end:interpreter]

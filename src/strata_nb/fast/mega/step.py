@@ -60,7 +60,8 @@ def stack(be, arrays):
 class MegaStep(DeviceStep):
     """A greedy decode step as one launch of the megakernel (interpreter.py)."""
 
-    def __init__(self, be, weights, kv, use_graph: bool, model: MegaModel):
+    def __init__(self, be, weights, kv, use_graph: bool, model: MegaModel, clocked: bool = False):
+        """clocked: block 0 notes when it sets out on each item (`item_ns`)."""
         super().__init__(be, weights, kv, use_graph, sampling=None)
         cfg, fmt = weights.config, kv.fmt
         self.plan = build_plan(cfg.n_layers, fmt)
@@ -82,12 +83,19 @@ class MegaStep(DeviceStep):
                      f32(cfg.rms_eps), score_scale(hd), *v["embd"], *v["output"], model.out_norm,
                      model.attn_norm, model.ffn_norm, *v["wqkv"], *v["wo"], *v["wgate_up"], *v["wdown"],
                      weights.rope_cos, weights.rope_sin, kv.layers[0].page_table, ka, kb, va, vb, *no_host,
-                     *scratch, self.logits)
+                     *scratch, self.logits, be.zeros((len(self.plan) + 1 if clocked else 0,), np.int64))
 
     @staticmethod
     def why_not(be, kv, weights, greedy: bool) -> str | None:
         """Why this step cannot run as a megakernel (the fast tier's runs), or None."""
         return why_not(weights.config, kv.fmt, kv.stacked is not None, greedy, layer_types(weights.layers))
+
+    def item_ns(self) -> np.ndarray:
+        """(items,) int64: the last step's nanoseconds on each item of the plan, its barrier
+        included, as thread block 0 saw them (a clocked step only)."""
+        stamps = self.be.to_numpy(self.args[-1])
+        assert len(stamps), "a clocked MegaStep notes the times (MegaStep(..., clocked=True))"
+        return np.diff(stamps)
 
     def launch(self):
         """The whole step: one launch (the forward pass, the pick and the move on)."""
