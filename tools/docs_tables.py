@@ -449,16 +449,14 @@ def two_models_table(files: dict[str, tuple[Path, str]]) -> str:
 
 
 def mega_plans() -> str:
-    """`strata-nb info --mega-plan` on the default model, for both KV formats it runs."""
+    """`strata-nb info --mega-plan` on the default model (the same plan for both KV formats it runs)."""
     from strata_nb.cli import _mega_plan
     from strata_nb.gpu.geometry import MEGA_ON_GPU
     from strata_nb.model.fetch import default_model_path
     from strata_nb.model.gguf_file import GGUFModel
 
-    model = GGUFModel(default_model_path())
-    blocks = [f"```text title=\"strata-nb info --mega-plan --kv {kv}\"\n{_mega_plan(model, kv, **MEGA_ON_GPU)}\n```" for kv in
-              ("fp16", "k8v4")]
-    return "\n\n".join(blocks) + "\n"
+    plan = _mega_plan(GGUFModel(default_model_path()), "k8v4", **MEGA_ON_GPU)
+    return f"```text title=\"strata-nb info --mega-plan --kv k8v4\"\n{plan}\n```\n"
 
 
 def model_outputs() -> dict[Path, str]:

@@ -295,7 +295,7 @@ def _mega_plan(m, kv: str, **geometry) -> str:
     why = why_not(c, kv, True, True, types, **({"threads": geometry["threads"]} if geometry else {}))
     if why is not None:
         raise StrataError(f"the megakernel does not run {c.name or m.path} with {kv} KV: {why}")
-    return describe(build_plan(c.n_layers, kv), c, kv, **geometry)
+    return describe(build_plan(c.n_layers), c, kv, **geometry)
 
 
 def _tensor_type_counts(m) -> dict:

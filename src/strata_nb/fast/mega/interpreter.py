@@ -37,9 +37,9 @@ from ...kernels.dense.embed import ROW_PARTS
 from ...kernels.dense.matvec import ROW_SUMS
 from ...kernels.dense.rmsnorm import norm_row
 from ...kv_layout import BLOCK, rotates
-from .plan import APPEND, ATTEND, DOWN, EMBED, GATE_UP, HEAD, MAX_D, MAX_GROUP, MAX_HEAD_DIM, QKV, QUANTIZED, WO
-from .stages import (append_k8v4_stage, cells_written, leave_pair, make_attend_stage, make_dot, make_down_stage, make_embed_stage,
-                     make_gate_up_stage, make_head_stage, make_qkv_stage, make_wo_stage, pick_stage, store_pair)
+from .plan import ATTEND, DOWN, EMBED, GATE_UP, HEAD, MAX_D, MAX_GROUP, MAX_HEAD_DIM, QKV, WO
+from .stages import (append_fp16, append_k8v4, make_attend_stage, make_dot, make_down_stage, make_embed_stage,
+                     make_gate_up_stage, make_head_stage, make_qkv_stage, make_wo_stage, pick_stage)
 
 KINDS = ("embd", "wqkv", "wo", "wgate_up", "wdown", "output")  # the matrices, each read by its type's dequantizer
 
@@ -91,10 +91,8 @@ def make_interpreter(types: dict, fmt: str):
     `interpreter` makes each once, on demand."""
     dot = {kind: make_dot(ROW_SUMS[types[kind]]) for kind in KINDS if kind != "embd"}
     embed_stage = make_embed_stage(ROW_PARTS[types["embd"]])
-    quantized = fmt in QUANTIZED  # its cells written by an append item, else by the q|k|v item
-    qkv_stage = make_qkv_stage(dot["wqkv"], leave_pair if quantized else store_pair)
-    append_stage = append_k8v4_stage if quantized else cells_written
-    attend_stage = make_attend_stage(FOLD_BLOCKS[fmt])
+    qkv_stage = make_qkv_stage(dot["wqkv"])
+    attend_stage = make_attend_stage(FOLD_BLOCKS[fmt], append_k8v4 if fmt == "k8v4" else append_fp16)
     wo_stage = make_wo_stage(dot["wo"], "v" in rotates(fmt))
     gate_up_stage = make_gate_up_stage(dot["wgate_up"])
     down_stage = make_down_stage(dot["wdown"])
@@ -140,13 +138,10 @@ def make_interpreter(types: dict, fmt: str):
             if op == EMBED:
                 embed_stage(token[0], embd_a, embd_b, x)
             elif op == QKV:
-                qkv_stage(pos, d, wqkv_a[L], wqkv_b[L], cos, sin, q, k_new, v_new,
-                          page_table, ka[L], va[L], hka, hva, xs)
-            elif op == APPEND:
-                append_stage(positions, k_new, v_new, page_table, ka[L], kb[L], va[L], vb[L], hka, hkb, hva, hvb)
+                qkv_stage(pos, d, wqkv_a[L], wqkv_b[L], cos, sin, q, k_new, v_new, xs)
             elif op == ATTEND:
-                attend_stage(pos, q, scale, page_table, ka[L], kb[L], va[L], vb[L], hka, hkb, hva, hvb,
-                             part_m, part_l, part_acc, q_s, k_s, scores)
+                attend_stage(positions, q, scale, k_new, v_new, page_table, ka[L], kb[L], va[L], vb[L],
+                             hka, hkb, hva, hvb, part_m, part_l, part_acc, q_s, k_s, scores)
             elif op == WO:
                 wo_stage(x, wo_a[L], wo_b[L], part_m, part_l, part_acc, xs)
             elif op == GATE_UP:

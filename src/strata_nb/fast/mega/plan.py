@@ -3,9 +3,9 @@ thread blocks walk them, with a grid barrier after each.
 
     embed                      x = the token's row of the embedding table
     per layer:
-      qkv      rmsnorm(x) @ Wqkv.T, RoPE on q and k; k and v kept, and fp16 cells written
-      append   (int8 and q4 cells) k and v quantized into the layer's cells
-      attend   each KV head's queries over the cells, in MEGA_SPLITS shares
+      qkv      rmsnorm(x) @ Wqkv.T, RoPE on q and k; the step's k and v kept
+      attend   each KV head's queries over the cells, in MEGA_SPLITS shares; the block
+               whose share holds the position writes the step's cell first
       wo       the shares merged, x += a @ Wo.T
       gate_up  h = silu(g) * u, g|u = rmsnorm(x) @ Wgate_up.T
       down     x += h @ Wdown.T
@@ -13,7 +13,7 @@ thread blocks walk them, with a grid barrier after each.
     pick                       the argmax: the next token, its position, the host's copy
 
 An item waits for the one before it because it reads what that one wrote: qkv reads x,
-which down wrote; attend reads the cells append wrote; wo reads attend's shares. Each
+which down wrote; attend reads qkv's k and v; wo reads attend's shares. Each
 item's work is split in units: a warp's (a row or a pair of rows of a product) or a
 thread block's (a KV head's share of the cells); `units` says how many, for the printout.
 
@@ -27,26 +27,21 @@ from __future__ import annotations
 import numpy as np
 
 from ...gpu.geometry import MEGA_SPLITS, MEGA_THREADS
-from ...kv_layout import INT8_GROUP, Q4_GROUP
 
-OPS = ("embed", "qkv", "append", "attend", "wo", "gate_up", "down", "head", "pick")
-EMBED, QKV, APPEND, ATTEND, WO, GATE_UP, DOWN, HEAD, PICK = range(len(OPS))
+OPS = ("embed", "qkv", "attend", "wo", "gate_up", "down", "head", "pick")
+EMBED, QKV, ATTEND, WO, GATE_UP, DOWN, HEAD, PICK = range(len(OPS))
 FORMATS = ("fp16", "k8v4")  # the KV formats the megakernel writes and reads
 MAX_D = 4096  # the longest row a thread block keeps in shared memory (d_model, n_heads * head_dim)
 MAX_HEAD_DIM = 128
 MAX_GROUP = MEGA_THREADS // 64  # query heads per KV head: a thread per (head, dim) of a group, dims >= 64
-QUANTIZED = ("k8v4",)  # formats whose cells are written in an append item of their own
 
 
 # --8<-- [start:build_plan]
-def build_plan(n_layers: int, fmt: str) -> np.ndarray:
+def build_plan(n_layers: int) -> np.ndarray:
     """(items, 2) int32: each item's op and layer (-1 for embed, head and pick)."""
     items = [(EMBED, -1)]
     for layer in range(n_layers):
-        items.append((QKV, layer))
-        if fmt in QUANTIZED:
-            items.append((APPEND, layer))
-        items += [(ATTEND, layer), (WO, layer), (GATE_UP, layer), (DOWN, layer)]
+        items += [(QKV, layer), (ATTEND, layer), (WO, layer), (GATE_UP, layer), (DOWN, layer)]
     items += [(HEAD, -1), (PICK, -1)]
     return np.array(items, np.int32)
 # --8<-- [end:build_plan]
@@ -57,7 +52,6 @@ def units(op: int, cfg, splits: int = MEGA_SPLITS) -> tuple[int, str]:
     hd, kv = cfg.head_dim, cfg.n_kv_heads
     return {EMBED: (cfg.d_model // 8, "threads: 8 values each"),
             QKV: ((cfg.n_heads + 2 * kv) * hd // 2, "warps: a pair of rows each"),
-            APPEND: (kv * (hd // INT8_GROUP + hd // Q4_GROUP), "warps: a group of K or V values each"),
             ATTEND: (kv * splits, "blocks: a KV head's share of the cells each"),
             WO: (cfg.d_model, "warps: a row each"),
             GATE_UP: (cfg.d_ff, "warps: a gate row and its up row each"),

@@ -103,35 +103,17 @@ def make_embed_stage(row_part):
 
 
 # --8<-- [start:qkv_stage]
-@cuda.jit(device=True)
-def store_pair(side, h, j, x0, x1, block, cell, slot, cells_k, cells_v, no_host_k, no_host_v):
-    """fp16 cells, written where they are made (as the fast tier's q|k|v epilogue does): the
-    one writer's body for values j and j + 1, the slot and the host copy if there is one."""
-    store_cell(side, h, j, x0, block, cell, slot, cells_k, cells_v, no_host_k, no_host_v)
-    store_cell(side, h, j + 1, x1, block, cell, slot, cells_k, cells_v, no_host_k, no_host_v)
-
-
-@cuda.jit(device=True)
-def leave_pair(side, h, j, x0, x1, block, cell, slot, cells_k, cells_v, no_host_k, no_host_v):
-    """Quantized cells: a group's scale needs all its values, so an append item writes them."""
-    pass
-
-
-def make_qkv_stage(dot, write_pair):
-    """write_pair: store_pair or leave_pair, by the KV format."""
-
+def make_qkv_stage(dot):
     @cuda.jit(device=True)
     def qkv_stage(pos, d,             # the position; the length of x
                   a, b,               # views of this layer's Wqkv rows: q heads, k heads, v heads
                   cos, sin,           # (context, hd / 2) float32 RoPE tables
                   q,                  # (n_heads, hd) float32, written
                   k_new, v_new,       # (1, n_kv, hd) float32, written: the step's k (roped) and v
-                  page_table, cells_k, cells_v, no_host_k, no_host_v,  # the layer's cells (fp16)
                   xs):                # (1, >= d) float32 shared: rmsnorm(x), this block's copy
         n_heads, hd = q.shape
         n_kv = k_new.shape[1]
         lane = cuda.threadIdx.x % WARP
-        block, cell, slot = cell_home(pos, page_table)
         pairs = (n_heads + 2 * n_kv) * hd // 2  # RoPE turns rows 2i and 2i + 1 together
         for r in range(warp_rounds(pairs)):
             unit, writes = warp_unit(r, pairs)
@@ -143,55 +125,57 @@ def make_qkv_stage(dot, write_pair):
             if writes and lane == 0:
                 if head < n_heads:
                     q[head, j], q[head, j + 1] = x0, x1
+                elif head < n_heads + n_kv:
+                    k_new[0, head - n_heads, j], k_new[0, head - n_heads, j + 1] = x0, x1
                 else:
-                    side = 0 if head < n_heads + n_kv else 1  # K, then V
-                    h = head - n_heads - side * n_kv
-                    new = k_new if side == 0 else v_new
-                    new[0, h, j], new[0, h, j + 1] = x0, x1
-                    write_pair(side, h, j, x0, x1, block, cell, slot, cells_k, cells_v, no_host_k, no_host_v)
+                    v_new[0, head - n_heads - n_kv, j], v_new[0, head - n_heads - n_kv, j + 1] = x0, x1
 
     return qkv_stage
 # --8<-- [end:qkv_stage]
 
 
-# --8<-- [start:append_stage]
+# --8<-- [start:append_cells]
 @cuda.jit(device=True)
-def append_k8v4_stage(positions,  # (1,) int32: the step's position
-                      k_new, v_new, page_table,
-                      k_q, k_s, v_q4, v_d,  # the layer's cells: int8 K and its scales, q4_0 V (bytes, fp16)
-                      no_host_q, no_host_s, no_host_q4, no_host_d):
-    """k8v4's two halves, as kv_append_k8v4 passes them: K through kv_append_q8's warp, V
-    through kv_append_q4's (which rotates it), each folded (its K side only runs here; a
-    unit from 2 * units on writes nothing)."""
+def append_fp16(kv_h, positions, k_new, v_new, page_table, ka, kb, va, vb, hka, hkb, hva, hvb):
+    """KV head kv_h's new cell, fp16: the one writer's body (kv_append_fp16's store_cell),
+    a value a thread; the slot, and the host copy where there is one."""
+    hd = k_new.shape[2]
+    block, cell, slot = cell_home(positions[0], page_table)
+    for e in range(cuda.threadIdx.x, 2 * hd, cuda.blockDim.x):
+        side, j = e // hd, e % hd  # K values, then V values
+        value = k_new[0, kv_h, j] if side == 0 else v_new[0, kv_h, j]
+        store_cell(side, kv_h, j, value, block, cell, slot, ka, va, hka, hva)
+
+
+@cuda.jit(device=True)
+def append_k8v4(kv_h, positions, k_new, v_new, page_table, ka, kb, va, vb, hka, hkb, hva, hvb):
+    """KV head kv_h's new cell, k8v4, as kv_append_k8v4 writes it: K through kv_append_q8's
+    warp body (ka, kb: int8 codes, fp16 scales), V through kv_append_q4's, which rotates it
+    (va, vb: q4_0 bytes, their fp16 view). Each half folded: only its K side runs, a warp a
+    group; every warp of the block calls both (a unit from 2 * all writes nothing)."""
     n_kv, hd = k_new.shape[1], k_new.shape[2]
-    lane = cuda.threadIdx.x % WARP
-    k_units = n_kv * (hd // INT8_GROUP)
-    for r in range(warp_rounds(k_units)):
-        unit, writes = warp_unit(r, k_units)
-        append_q8_warp(unit if writes else 2 * k_units, lane, k_new, k_new, positions, page_table,
-                       k_q, k_s, k_q, k_s, no_host_q, no_host_s, no_host_q, no_host_s)
-    v_units = n_kv * (hd // Q4_GROUP)
-    for r in range(warp_rounds(v_units)):
-        unit, writes = warp_unit(r, v_units)
-        append_q4_warp(unit if writes else 2 * v_units, lane, v_new, v_new, positions, page_table,
-                       v_q4, v_d, v_q4, v_d, no_host_q4, no_host_d, no_host_q4, no_host_d, True)
-
-
-@cuda.jit(device=True)
-def cells_written(positions, k_new, v_new, page_table, ka, kb, va, vb, hka, hkb, hva, hvb):
-    """fp16: the q|k|v item wrote the cells (store_pair); a plan for it has no append item."""
-    pass
-# --8<-- [end:append_stage]
+    warp, lane = cuda.threadIdx.x // WARP, cuda.threadIdx.x % WARP
+    groups = hd // INT8_GROUP
+    unit = kv_h * groups + warp if warp < groups else 2 * n_kv * groups
+    append_q8_warp(unit, lane, k_new, k_new, positions, page_table, ka, kb, ka, kb, hka, hkb, hka, hkb)
+    groups = hd // Q4_GROUP
+    unit = kv_h * groups + warp if warp < groups else 2 * n_kv * groups
+    append_q4_warp(unit, lane, v_new, v_new, positions, page_table, va, vb, va, vb, hva, hvb, hva, hvb, True)
+# --8<-- [end:append_cells]
 
 
 # --8<-- [start:attend_stage]
-def make_attend_stage(fold_block):
+def make_attend_stage(fold_block, append_cells):
+    """append_cells: append_fp16 or append_k8v4, by the KV format."""
+
     @cuda.jit(device=True)
-    def attend_stage(pos, q, scale,  # q (n_heads, hd) float32
+    def attend_stage(positions, q, scale,  # positions (1,) int32: the step's; q (n_heads, hd) float32
+                     k_new, v_new,         # (1, n_kv, hd) float32: the step's k and v
                      page_table, ka, kb, va, vb, hka, hkb, hva, hvb,  # the layer's cells (fold_block's)
                      part_m, part_l,  # (n_heads, splits) float32, written: each share's max and sum
                      part_acc,        # (n_heads, splits, hd) float32, written: its weighted V sum
                      q_s, k_s, scores):  # shared: (groups, >= hd), (16, >= hd), (groups, 16)
+        pos = positions[0]
         n_heads, hd = q.shape
         n_kv = ka.shape[1]
         group, splits = n_heads // n_kv, part_m.shape[1]
@@ -207,6 +191,9 @@ def make_attend_stage(fold_block):
             unit = r * cuda.gridDim.x + cuda.blockIdx.x
             real, unit = unit < n_units, min(unit, n_units - 1)
             kv_h, s = unit // splits, unit % splits
+            if s == (n_blocks - 1) // per_split:  # the share that holds the position: its block, the one
+                append_cells(kv_h, positions, k_new, v_new, page_table, ka, kb, va, vb, hka, hkb, hva, hvb)
+                cuda.syncthreads()  # that reads the new cell, writes it first (same bytes if it redoes one)
             h = kv_h * group + g
             q_s[g, dim] = q[h, dim]
             m, l, acc = NEG_INF, float32(0.0), float32(0.0)

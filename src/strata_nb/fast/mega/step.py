@@ -64,7 +64,7 @@ class MegaStep(DeviceStep):
         """clocked: block 0 notes when it sets out on each item (`item_ns`)."""
         super().__init__(be, weights, kv, use_graph, sampling=None)
         cfg, fmt = weights.config, kv.fmt
-        self.plan = build_plan(cfg.n_layers, fmt)
+        self.plan = build_plan(cfg.n_layers)
         self.kernel = interpreter(model.types, fmt)
         self.grid = 1 if SIMULATED else multiprocessors()  # the simulator runs one block after another
         f32 = np.float32
