@@ -52,6 +52,15 @@ def test_a_step_of_the_default_model_is_153_items_152_barriers():
 # --8<-- [end:plan_test]
 
 
+def test_each_file_of_the_megakernel_reads_in_one_sitting():
+    from pathlib import Path
+
+    import strata_nb.fast.mega as mega
+
+    long = {p.name: n for p in Path(mega.__file__).parent.glob("*.py") if (n := len(p.read_text().splitlines())) > 300}
+    assert not long, f"over 300 lines: {long}"
+
+
 def test_why_not_names_what_the_megakernel_does_not_run(model):
     from dataclasses import replace
 

@@ -84,6 +84,6 @@ SELECT_PARTS = on_gpu(64, simulator=4)  # threads per candidate
 SELECT_SHARED_SCORES = on_gpu(4096, simulator=64)  # candidates' scores held in shared memory
 
 # ---- the megakernel: fast/mega/ ----------------------------------------------------------
-MEGA_ON_GPU = dict(threads=256, splits=16)  # (the plan's printout for the docs shows a GPU's)
+MEGA_ON_GPU = dict(threads=256, splits=64)  # (the plan's printout for the docs shows a GPU's)
 MEGA_THREADS = on_gpu(MEGA_ON_GPU["threads"], simulator=128)  # threads of each thread block (8 warps)
-MEGA_SPLITS = on_gpu(MEGA_ON_GPU["splits"], simulator=2)  # shares of a KV head's cells that attention folds apart
+MEGA_SPLITS = on_gpu(MEGA_ON_GPU["splits"], simulator=2)  # at most, shares of a KV head's cells attention folds apart

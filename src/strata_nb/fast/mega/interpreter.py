@@ -38,8 +38,8 @@ from ...kernels.dense.matvec import ROW_SUMS
 from ...kernels.dense.rmsnorm import norm_row
 from ...kv_layout import BLOCK, rotates
 from .plan import ATTEND, DOWN, EMBED, GATE_UP, HEAD, MAX_D, MAX_GROUP, MAX_HEAD_DIM, QKV, WO
-from .stages import (append_fp16, append_k8v4, make_attend_stage, make_dot, make_down_stage, make_embed_stage,
-                     make_gate_up_stage, make_head_stage, make_qkv_stage, make_wo_stage, pick_stage)
+from .stages import (append_fp16, append_k8v4, make_attend_stage, make_dot, make_embed_stage, make_gate_up_stage,
+                     make_product, make_qkv_stage, make_wo_stage, pick_stage)
 
 KINDS = ("embd", "wqkv", "wo", "wgate_up", "wdown", "output")  # the matrices, each read by its type's dequantizer
 
@@ -95,8 +95,8 @@ def make_interpreter(types: dict, fmt: str):
     attend_stage = make_attend_stage(FOLD_BLOCKS[fmt], append_k8v4 if fmt == "k8v4" else append_fp16)
     wo_stage = make_wo_stage(dot["wo"], "v" in rotates(fmt))
     gate_up_stage = make_gate_up_stage(dot["wgate_up"])
-    down_stage = make_down_stage(dot["wdown"])
-    head_stage = make_head_stage(dot["output"])
+    down_stage = make_product(dot["wdown"], add=True)  # x += h_ff @ Wdown.T
+    head_stage = make_product(dot["output"], add=False)  # logits = rmsnorm(x) @ Wout.T
 
     @cuda.jit(cache=True)
     def mega_step_kernel(plan,       # (items, 2) int32: each item's op and layer (plan.py)
@@ -117,6 +117,8 @@ def make_interpreter(types: dict, fmt: str):
                          q,          # (n_heads, hd) float32
                          k_new, v_new,  # (1, n_kv, hd) float32
                          part_m, part_l, part_acc,  # attention's shares: (n_heads, splits), (..., hd)
+                         tickets,    # (n_kv,) int32, 0: the shares of each KV head done
+                         attn,       # (n_heads, hd) float32: attention's output
                          h_ff,       # (1, ff) float32
                          logits,     # (1, vocab) float32
                          timeline):  # (items + 1,) int64: when block 0 set out on each item, and ended; or (0,)
@@ -141,13 +143,13 @@ def make_interpreter(types: dict, fmt: str):
                 qkv_stage(pos, d, wqkv_a[L], wqkv_b[L], cos, sin, q, k_new, v_new, xs)
             elif op == ATTEND:
                 attend_stage(positions, q, scale, k_new, v_new, page_table, ka[L], kb[L], va[L], vb[L],
-                             hka, hkb, hva, hvb, part_m, part_l, part_acc, q_s, k_s, scores)
+                             hka, hkb, hva, hvb, part_m, part_l, part_acc, tickets, attn, q_s, k_s, scores)
             elif op == WO:
-                wo_stage(x, wo_a[L], wo_b[L], part_m, part_l, part_acc, xs)
+                wo_stage(x, wo_a[L], wo_b[L], attn, xs)
             elif op == GATE_UP:
                 gate_up_stage(d, wgu_a[L], wgu_b[L], h_ff, xs)
             elif op == DOWN:
-                down_stage(x, wdown_a[L], wdown_b[L], h_ff)
+                down_stage(x, wdown_a[L], wdown_b[L], h_ff, h_ff.shape[1])
             elif op == HEAD:
                 head_stage(logits, out_a, out_b, xs, d)
             else:  # PICK, the last item

@@ -4,8 +4,9 @@ thread blocks walk them, with a grid barrier after each.
     embed                      x = the token's row of the embedding table
     per layer:
       qkv      rmsnorm(x) @ Wqkv.T, RoPE on q and k; the step's k and v kept
-      attend   each KV head's queries over the cells, in MEGA_SPLITS shares; the block
-               whose share holds the position writes the step's cell first
+      attend   each KV head's queries over the cells, in as many shares as fill the grid,
+               merged by the block that finishes its head's last; the block whose share
+               holds the position writes the step's cell first
       wo       the shares merged, x += a @ Wo.T
       gate_up  h = silu(g) * u, g|u = rmsnorm(x) @ Wgate_up.T
       down     x += h @ Wdown.T
@@ -13,7 +14,7 @@ thread blocks walk them, with a grid barrier after each.
     pick                       the argmax: the next token, its position, the host's copy
 
 An item waits for the one before it because it reads what that one wrote: qkv reads x,
-which down wrote; attend reads qkv's k and v; wo reads attend's shares. Each
+which down wrote; attend reads qkv's k and v; wo reads attend's merged output. Each
 item's work is split in units: a warp's (a row or a pair of rows of a product) or a
 thread block's (a KV head's share of the cells); `units` says how many, for the printout.
 
@@ -52,7 +53,7 @@ def units(op: int, cfg, splits: int = MEGA_SPLITS) -> tuple[int, str]:
     hd, kv = cfg.head_dim, cfg.n_kv_heads
     return {EMBED: (cfg.d_model // 8, "threads: 8 values each"),
             QKV: ((cfg.n_heads + 2 * kv) * hd // 2, "warps: a pair of rows each"),
-            ATTEND: (kv * splits, "blocks: a KV head's share of the cells each"),
+            ATTEND: (kv * splits, "blocks at most: a KV head's share of the cells each, as many as fill the grid"),
             WO: (cfg.d_model, "warps: a row each"),
             GATE_UP: (cfg.d_ff, "warps: a gate row and its up row each"),
             DOWN: (cfg.d_model, "warps: a row each"),

@@ -1,31 +1,24 @@
 """What the thread blocks do for each kind of item in the plan (plan.py): device functions
 the interpreter (interpreter.py) calls with every thread of the grid.
 
-Plain twins: each stage is a plain kernel's device body run over a share of the grid, as
-listed below; together they are the step engine/forward.py launches op by op.
-
-Nothing here computes anything the plain tier does not. A product is the plain matvec's:
-a warp per row of W, its lanes summing their parts through `row_sums` and gguf_rows.py's
-dequantizers (kernels/dense/matvec.py), then a warp_sum. RoPE is the plain RoPE's
-`turn_pair`, the gate swiglu's `silu_times`, the norm rmsnorm's `norm_row`, attention the
-plain attention's `fold_block` (kernels/attention/attention.py), the cells are written by
-the one writer's device bodies (kv_append_fp16's `store_cell`, kv_append_q8's and
-kv_append_q4's warps) and the pick is argmax's `first_of_max`. What is new is how the work
-is shared out, and that no launch ends between one item and the next.
+Plain twins: each stage runs plain kernels' device bodies over a share of the grid;
+together they are the step engine/forward.py launches op by op. A product is the plain
+matvec's `row_sums` and a warp_sum, RoPE `turn_pair`, the gate `silu_times`, attention the
+plain kernel's `fold_block`, the cells the one writer's bodies (`store_cell`, the q8 and
+q4 appends' warps), the pick argmax's `first_of_max`. What is new is how the work is
+shared out, and that no launch ends between one item and the next.
 
 Sharing out. A product's rows are warps' units: the grid's W warps take rows w, w + W,
 w + 2W, ... Every thread runs the same number of rounds, and a warp whose row is past the
 last redoes the last row and writes nothing: a warp's shuffles want all its lanes, and
 under the simulator a warp reduction waits for the whole thread block. Attention's units
-are thread blocks': a KV head's share of the cells, its G query heads a group of threads
-each, a thread per dim (the plain kernel's thread block, G times over).
+are thread blocks'.
 
-Input rows. A product's input (rmsnorm(x), or attention's merged output) is made by every
-thread block into its own shared memory, `xs`: a few thousand values at most, which cost
-less to make again than a barrier more would. The interpreter makes rmsnorm(x) before the
-items that read it (q|k|v, gate|up and the head): rmsnorm's block_sum keeps its partial
-sums in a shared array, and Numba links a device function's shared array once for every
-device function that calls it, which NVVM refuses as a symbol defined twice.
+Input rows. A product's input (rmsnorm(x), or attention's output) is copied by every
+thread block into its own shared memory, `xs`: a few thousand values, which cost less to
+make again than a barrier more would. The interpreter makes rmsnorm(x), not the stages:
+Numba links rmsnorm's block_sum, with its shared array, into every device function that
+calls it, and NVVM refuses a kernel whose shared symbol is defined twice.
 """
 from __future__ import annotations
 
@@ -33,6 +26,7 @@ import math
 
 from numba import cuda, float32
 
+from ...gpu.launch import last_to_arrive
 from ...gpu.reduce import NEG_INF, WARP, warp_sum
 from ...kernels.dense.gguf_rows import PART
 from ...kernels.dense.rope import turn_pair
@@ -172,20 +166,24 @@ def make_attend_stage(fold_block, append_cells):
     def attend_stage(positions, q, scale,  # positions (1,) int32: the step's; q (n_heads, hd) float32
                      k_new, v_new,         # (1, n_kv, hd) float32: the step's k and v
                      page_table, ka, kb, va, vb, hka, hkb, hva, hvb,  # the layer's cells (fold_block's)
-                     part_m, part_l,  # (n_heads, splits) float32, written: each share's max and sum
-                     part_acc,        # (n_heads, splits, hd) float32, written: its weighted V sum
+                     part_m, part_l,  # (n_heads, >= splits) float32: each share's max and sum of weights
+                     part_acc,        # (n_heads, >= splits, hd) float32: its weighted V sum
+                     tickets,         # (n_kv,) int32, 0: the shares of each KV head done so far
+                     attn,            # (n_heads, hd) float32, written: the shares merged
                      q_s, k_s, scores):  # shared: (groups, >= hd), (16, >= hd), (groups, 16)
         pos = positions[0]
         n_heads, hd = q.shape
         n_kv = ka.shape[1]
-        group, splits = n_heads // n_kv, part_m.shape[1]
+        group = n_heads // n_kv
+        n_blocks = pos // BLOCK + 1
+        # as many shares of a KV head's cells as fill the grid, at most a block of cells each
+        splits = min(part_m.shape[1], max(1, cuda.gridDim.x // n_kv), n_blocks)
+        per_split = (n_blocks + splits - 1) // splits
         t = cuda.threadIdx.x
         g, dim = min(t // hd, group - 1), t % hd  # threads past the group's redo its last head's dims
         writes = t < group * hd
         k_col = cuda.local.array(BLOCK, float32)
         v_col = cuda.local.array(BLOCK, float32)
-        n_blocks = pos // BLOCK + 1
-        per_split = (n_blocks + splits - 1) // splits  # the shares of the cells up to the position
         n_units = n_kv * splits
         for r in range((n_units + cuda.gridDim.x - 1) // cuda.gridDim.x):
             unit = r * cuda.gridDim.x + cuda.blockIdx.x
@@ -204,9 +202,29 @@ def make_attend_stage(fold_block, append_cells):
                 part_acc[h, s, dim] = acc
                 if dim == 0:
                     part_m[h, s], part_l[h, s] = m, l
+            if real and last_to_arrive(tickets, kv_h, splits):  # the KV head's last share in merges them all
+                cuda.threadfence()  # (reads after it see what the other blocks wrote, not an earlier layer's)
+                if writes:
+                    attn[h, dim] = merge_shares(part_m, part_l, part_acc, h, dim, splits)
             cuda.syncthreads()  # q_s is read before the next round writes it
 
     return attend_stage
+
+
+@cuda.jit(device=True)
+def merge_shares(part_m, part_l, part_acc, h, dim, splits):
+    """Head h's shares, each rescaled to the largest max: value dim of its attention output."""
+    top = NEG_INF
+    for s in range(splits):
+        if part_l[h, s] > 0:  # a share with no cell (past the position) holds nothing
+            top = max(top, part_m[h, s])
+    total, mixed = float32(0.0), float32(0.0)
+    for s in range(splits):
+        if part_l[h, s] > 0:
+            w = math.exp(part_m[h, s] - top)
+            total += part_l[h, s] * w
+            mixed += part_acc[h, s, dim] * w
+    return mixed / total  # the position's own cell is always seen: total > 0
 # --8<-- [end:attend_stage]
 
 
@@ -217,22 +235,11 @@ def make_wo_stage(dot, rotated):
 
     @cuda.jit(device=True)
     def wo_stage(x, a, b,  # x (1, d) float32, added to; views of this layer's Wo rows
-                 part_m, part_l, part_acc,  # attend's shares
+                 attn,     # (n_heads, hd) float32: attention's output
                  xs):      # (1, >= n_heads hd) float32 shared
-        n_heads, splits, hd = part_acc.shape
-        for e in range(cuda.threadIdx.x, n_heads * hd, cuda.blockDim.x):  # the shares merged, a value a thread
-            h, dim = e // hd, e % hd
-            top = NEG_INF
-            for s in range(splits):
-                if part_l[h, s] > 0:
-                    top = max(top, part_m[h, s])
-            total, mixed = float32(0.0), float32(0.0)
-            for s in range(splits):
-                if part_l[h, s] > 0:  # a share with no cell (past the position) holds nothing
-                    w = math.exp(part_m[h, s] - top)
-                    total += part_l[h, s] * w
-                    mixed += part_acc[h, s, dim] * w
-            xs[0, e] = mixed / total  # the position's own cell is always seen: total > 0
+        n_heads, hd = attn.shape
+        for e in range(cuda.threadIdx.x, n_heads * hd, cuda.blockDim.x):  # the block's own copy
+            xs[0, e] = attn[e // hd, e % hd]
         cuda.syncthreads()
         if rotated:
             for row in range(cuda.threadIdx.x, n_heads * hd // HADAMARD_N, cuda.blockDim.x):
@@ -260,26 +267,10 @@ def make_gate_up_stage(dot):
                 h_ff[0, i] = silu_times(g, u)
 
     return gate_up_stage
-
-
-def make_down_stage(dot):
-    product_add = make_product(dot, add=True)
-
-    @cuda.jit(device=True)
-    def down_stage(x, a, b, h_ff):  # x += h_ff @ Wdown.T
-        product_add(x, a, b, h_ff, h_ff.shape[1])
-
-    return down_stage
 # --8<-- [end:ffn_stages]
 
 
 # --8<-- [start:head_stages]
-def make_head_stage(dot):
-    """head_stage(logits, a, b, xs, d): logits (1, vocab) float32 = xs[0, :d] @ Wout.T, xs
-    rmsnorm(x) in shared memory, a, b views of the output head's rows."""
-    return make_product(dot, add=False)
-
-
 @cuda.jit(device=True)
 def pick_stage(pos, logits, token, positions, chosen):
     """Thread block 0 alone: the first index of the largest logit (argmax's rule) becomes

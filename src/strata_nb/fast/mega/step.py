@@ -75,15 +75,16 @@ class MegaStep(DeviceStep):
         no_host = [absent((0, *a.shape[2:]), a.dtype) for a in (ka, kb, va, vb)]
         hd, n_kv = cfg.head_dim, cfg.n_kv_heads
         self.logits = be.zeros((1, cfg.vocab_size), f32)
-        scratch = [be.zeros(shape, f32) for shape in (
-            (1, cfg.d_model), (cfg.n_heads, hd), (1, n_kv, hd), (1, n_kv, hd),
-            (cfg.n_heads, MEGA_SPLITS), (cfg.n_heads, MEGA_SPLITS), (cfg.n_heads, MEGA_SPLITS, hd), (1, cfg.d_ff))]
+        x, q, k_new, v_new, part_m, part_l, part_acc, attn, h_ff = (be.zeros(shape, f32) for shape in (
+            (1, cfg.d_model), (cfg.n_heads, hd), (1, n_kv, hd), (1, n_kv, hd), (cfg.n_heads, MEGA_SPLITS),
+            (cfg.n_heads, MEGA_SPLITS), (cfg.n_heads, MEGA_SPLITS, hd), (cfg.n_heads, hd), (1, cfg.d_ff)))
         v = model.views
         self.args = (be.asarray(self.plan), be.zeros((2,), np.int32), self.token, self.pos, self.chosen,
                      f32(cfg.rms_eps), score_scale(hd), *v["embd"], *v["output"], model.out_norm,
                      model.attn_norm, model.ffn_norm, *v["wqkv"], *v["wo"], *v["wgate_up"], *v["wdown"],
                      weights.rope_cos, weights.rope_sin, kv.layers[0].page_table, ka, kb, va, vb, *no_host,
-                     *scratch, self.logits, be.zeros((len(self.plan) + 1 if clocked else 0,), np.int64))
+                     x, q, k_new, v_new, part_m, part_l, part_acc, be.zeros((n_kv,), np.int32), attn, h_ff,
+                     self.logits, be.zeros((len(self.plan) + 1 if clocked else 0,), np.int64))
 
     @staticmethod
     def why_not(be, kv, weights, greedy: bool) -> str | None:
