@@ -21,8 +21,12 @@ visible to the grid (threadfence), and arrives (an atomic add). The last to arri
 then fence again so that what they read next is what the other blocks wrote. It leaves
 the counters ready for the next barrier and the next launch. A cooperative launch's
 `cuda.cg.this_grid().sync()` does the same work; counters measured faster on an H100 at
-every grid size (1.0-1.3 us a barrier against 1.5-2.7 us, 132-264 blocks of 256-512
-threads, tools in the closing notes).
+every grid size tried (1.0-1.3 us a barrier against 1.5-2.7 us, 132-264 blocks of 256-512
+threads; CHANGELOG.md).
+
+A launch that is not the only one on the GPU could find an SM busy and wait forever: the
+megakernel is never launched as dependent (fast/dependent_launch.py), so it starts when
+the kernel before it has ended.
 
 The kernel is built per KV format and per weight type of each kind of matrix (each kind
 read by its plain dequantizer), like the plain kernels' factories.
