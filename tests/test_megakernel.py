@@ -210,3 +210,17 @@ def test_a_clocked_step_times_every_item(model):
     step.run(token, len(PROMPT))
     took = step.item_ns()
     assert took.shape == (len(step.plan),) and (took > 0).all(), took
+
+
+@pytest.mark.sim_engine
+def test_run_stats_say_how_the_steps_ran(model, capsys):
+    from cli_runner import run_cli
+
+    argv = ["run", "--model", model, "--device", "cuda", "--kernels", "mega", "--max-context", "64", "--stats",
+            "--max-tokens", "2", "--raw", "hi"]
+    code, out, err = run_cli(argv, capsys)
+    assert code == 0, err
+    assert "decode steps: one megakernel launch a step" in err, err
+    code, out, err = run_cli(argv + ["--kv", "int8"], capsys)
+    assert code == 0, err
+    assert "decode steps: the fast tier's (the megakernel: it reads fp16 and k8v4 KV, not int8)" in err, err
