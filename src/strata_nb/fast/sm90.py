@@ -89,8 +89,9 @@ def variant(fn) -> str:
 
     def describe(obj):
         inner = getattr(obj, "py_func", None) or getattr(obj, "fn", None) or obj
-        if callable(inner) and hasattr(inner, "__qualname__"):
-            return inner.__qualname__
+        if callable(inner) and hasattr(inner, "__qualname__"):  # a device function a factory made: what from
+            made = variant(inner) if ".<locals>." in inner.__qualname__ else ""
+            return f"{inner.__qualname__}({made})" if made else inner.__qualname__
         if isinstance(obj, (bool, int, float, str)):
             return repr(obj)
         return type(obj).__name__
