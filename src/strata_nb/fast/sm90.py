@@ -99,6 +99,16 @@ def variant(fn) -> str:
     return ",".join(f"{name}={describe(cells[name].cell_contents)}" for name in params if name in cells)
 
 
+def made_by_the_product(fn) -> bool:
+    """Is every device function fn was made from the package's? A kernel a test makes from
+    a fault of its own (a store that drops the host copy) is the test's, not compiled here."""
+    for cell in closure_cells(fn).values():
+        inner = getattr(cell.cell_contents, "py_func", None) or getattr(cell.cell_contents, "fn", None)
+        if callable(inner) and not getattr(inner, "__module__", "").startswith("strata_nb."):
+            return False
+    return True
+
+
 def record_launches(launches: dict) -> None:
     """Under the simulator: from now on every launch of a strata_nb kernel adds its
     signature to launches[(module, qualname, first line, variant)]."""
@@ -110,7 +120,8 @@ def record_launches(launches: dict) -> None:
         fn = self.fn
         # the product's kernels only: importing a test module in the compiling process would
         # import the tests' conftest, whose simulator hooks would then replace later kernels
-        if not self._device and not sim._kernel_context and fn.__module__.startswith("strata_nb."):
+        if not self._device and not sim._kernel_context and fn.__module__.startswith("strata_nb.") \
+                and made_by_the_product(fn):
             key = (fn.__module__, fn.__qualname__, fn.__code__.co_firstlineno, variant(fn))
             try:
                 launches.setdefault(key, set()).add(f"void({', '.join(type_name(a) for a in args)})")
