@@ -13,12 +13,12 @@ import numpy as np
 
 from ...engine.decode_step import DeviceStep
 from ...gpu.geometry import MEGA_SPLITS, MEGA_THREADS, SIMULATED, multiprocessors
-from ...gpu.launch import absent, stream, view_bytes
+from ...gpu.launch import absent, stream
 from ...kernels.attention.attention import score_scale
 from ...kernels.dense.gguf_rows import weight_views
-from ...kernels.kv.kv_readers import SIDES, side_fields
+from ...kernels.kv.kv_readers import SIDES, side_arrays
 from ..backend import FastCudaBackend
-from .interpreter import KINDS, interpreter
+from .interpreter import interpreter
 from .plan import build_plan, layer_types, why_not
 
 
@@ -69,9 +69,7 @@ class MegaStep(DeviceStep):
         self.grid = 1 if SIMULATED else multiprocessors()  # the simulator runs one block after another
         f32 = np.float32
         kind_k, kind_v = SIDES[fmt]
-        cells = [kv.stacked[f] for f in side_fields(kind_k, "k") + side_fields(kind_v, "v")]
-        ka, kb, va, vb = _reader_pairs(kind_k, cells[:len(side_fields(kind_k, "k"))]) + \
-            _reader_pairs(kind_v, cells[len(side_fields(kind_k, "k")):])
+        ka, kb, va, vb = side_arrays(kind_k, "k", kv.stacked) + side_arrays(kind_v, "v", kv.stacked)
         no_host = [absent((0, *a.shape[2:]), a.dtype) for a in (ka, kb, va, vb)]
         hd, n_kv = cfg.head_dim, cfg.n_kv_heads
         self.logits = be.zeros((1, cfg.vocab_size), f32)
@@ -102,12 +100,3 @@ class MegaStep(DeviceStep):
         """The whole step: one launch (the forward pass, the pick and the move on)."""
         self.kernel[self.grid, MEGA_THREADS, stream()](*self.args)
         return self.logits
-
-
-def _reader_pairs(kind: str, arrays: list) -> list:
-    """One side's two arrays as fold_block's readers take them (kv_readers.side_arrays)."""
-    if kind == "float":
-        return [arrays[0], arrays[0]]
-    if kind == "int8":
-        return arrays
-    return [arrays[0], view_bytes(arrays[0], np.float16)]  # q4_0: the bytes, and their fp16 d fields

@@ -59,13 +59,14 @@ READERS = {"float": read_float_column, "int8": dequantize_int8_column, "q4_0": d
 # --8<-- [end:attention_readers]
 
 
-def side_arrays(kind, side, arrays, dev):
+def side_arrays(kind, side, arrays, dev=None):
     """The two device arrays a kernel reads one side through (the readers' first two), moved
-    by `dev` (a DeviceArgs)."""
+    by `dev` (a DeviceArgs; None: arrays already on the device)."""
+    read = (lambda a: a) if dev is None else dev.read
     if kind == "float":
-        a = dev.read(arrays[side])
+        a = read(arrays[side])
         return a, a  # the second is unused; passing it keeps one kernel signature
     if kind == "int8":
-        return dev.read(arrays[f"{side}_q"]), dev.read(arrays[f"{side}_s"])
-    a = dev.read(arrays[f"{side}_q4"])
+        return read(arrays[f"{side}_q"]), read(arrays[f"{side}_s"])
+    a = read(arrays[f"{side}_q4"])
     return a, view_bytes(a, np.float16)  # d of block g at [9 * g]
