@@ -30,6 +30,11 @@ figure is typed by hand (tests/test_docs.py checks both are up to date):
 - each docs/measured/**/bench.md, from the bench.json beside it, as `strata-nb bench`
   writes it (bench/report.py: the command as a reader pastes it, no machine's paths).
 
+- docs/measured/mega/timeline.md, where a decode step's time goes in the fast tier and in
+  the megakernel, from docs/measured/mega/timeline.json (tools/mega_timeline.py on a GPU),
+  and on a plain run its figure, docs/assets/mega_timeline.png. Neither is written
+  before that file exists.
+
 - docs/measured/models/two_models.md: the default model and Gemma 3 270M side by side,
   from the two files' metadata and tensors as the engine reads them, and
   docs/measured/mega/plan.md, the megakernel's plan for the default model
@@ -65,6 +70,9 @@ PLAIN_TIER = ROOT / "src" / "strata_nb" / "kernels"
 BY_HAND = ROOT / "docs" / "measured" / "load" / "q4_k_by_hand.md"
 TWO_MODELS = ROOT / "docs" / "measured" / "models" / "two_models.md"
 MEGA_PLAN = ROOT / "docs" / "measured" / "mega" / "plan.md"
+MEGA_TIMELINE = ROOT / "docs" / "measured" / "mega" / "timeline.json"  # tools/mega_timeline.py on a GPU
+MEGA_TIMELINE_PNG = ROOT / "docs" / "assets" / "mega_timeline.png"
+MEGA_ITEMS = ("embed", "qkv", "attend", "wo", "gate_up", "down", "head", "pick")
 START = "<!-- bench-table: written by python tools/docs_tables.py from docs/measured/bench/bench.json -->"
 END = "<!-- /bench-table -->"
 
@@ -459,6 +467,60 @@ def mega_plans() -> str:
     return f"```text title=\"strata-nb info --mega-plan --kv k8v4\"\n{plan}\n```\n"
 
 
+def mega_timeline_table(t: dict) -> str:
+    """Where a step's time goes, fast tier against megakernel (tools/mega_timeline.py's run)."""
+    lines = ["| depth | KV | fast: step | its kernels | between them | launches | mega: step | "
+             "its items | barriers x one alone |", "| ---: | --- |" + " ---: |" * 7]
+    for r in t["rows"]:
+        f, m = r["fast"], r["mega"]
+        lines.append(f"| {r['depth']:,} | {r['kv']} | {f['ahead_wall_us']:,.0f} us | {f['gpu_us']:,.0f} us | "
+                     f"{f['ahead_wall_us'] - f['gpu_us']:,.0f} us | {f['launches']} | {m['ahead_wall_us']:,.0f} us | "
+                     f"{m['clocked_us']:,.0f} us | {m['barriers'] * t['barrier_us']:,.0f} us |")
+    lines += ["", "The megakernel's items, each with the barrier after it (us, as thread block 0 saw them):", "",
+              "| depth | KV | " + " | ".join(MEGA_ITEMS) + " |", "| ---: | --- |" + " ---: |" * len(MEGA_ITEMS)]
+    for r in t["rows"]:
+        items = r["mega"]["items_us"]
+        lines.append(f"| {r['depth']:,} | {r['kv']} | " + " | ".join(f"{items.get(k, 0):,.1f}" for k in MEGA_ITEMS) + " |")
+    return "\n".join(lines + ["", f"{t['device']}, {t['model']}; the megakernel on {t['blocks']} thread blocks of "
+                                  f"{t['threads']} threads; one grid barrier alone {t['barrier_us']:.2f} us. "
+                                  f"Measured by `{t['command']}`; a step's times are run ahead, "
+                                  "as `generate` and the bench run them."]) + "\n"
+
+
+def mega_timeline_plot(t: dict, path: Path) -> None:
+    """Two bars a configuration: the fast tier's step (kernels, gaps) and the megakernel's (its items)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(11, 0.9 + 0.75 * len(t["rows"]) * 2))
+    labels, y = [], 0
+    for r in t["rows"]:
+        f, m = r["fast"], r["mega"]
+        ax.barh(y, f["gpu_us"], color="C0", label="fast: kernels running" if y == 0 else None)
+        ax.barh(y, f["ahead_wall_us"] - f["gpu_us"], left=f["gpu_us"], color="0.8",
+                label="fast: between kernels" if y == 0 else None)
+        left = 0.0
+        for i, k in enumerate(MEGA_ITEMS):
+            us = m["items_us"].get(k, 0.0)
+            ax.barh(y + 1, us, left=left, color=f"C{i + 1}", label=f"mega: {k}" if y == 0 else None)
+            left += us
+        ax.barh(y + 1, max(0.0, m["ahead_wall_us"] - left), left=left, color="0.8", hatch="//",
+                label="mega: between steps" if y == 0 else None)
+        floor = m["barriers"] * t["barrier_us"]
+        ax.plot([floor, floor], [y + 0.6, y + 1.4], color="k", lw=2, label="mega: its barriers alone" if y == 0 else None)
+        labels += [f"fast, depth {r['depth']:,} {r['kv']}", f"mega, depth {r['depth']:,} {r['kv']}"]
+        y += 2.6
+    ax.set_yticks([i * 2.6 + j for i in range(len(t["rows"])) for j in (0, 1)], labels)
+    ax.invert_yaxis()
+    ax.set_xlabel("us a decode step")
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    ax.set_title(f"Where a decode step's time goes: {t['model']} on {t['device']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def model_outputs() -> dict[Path, str]:
     """The tables made from model files (absent_models() must be empty)."""
     return {TWO_MODELS: two_models_table(model_files()), MEGA_PLAN: mega_plans()}
@@ -485,6 +547,8 @@ def outputs() -> dict[Path, str]:
         sketch="later engine")
     for name, scores in NEEDLE_RUNS.items():
         out[NEEDLE_DIR / f"{name}.md"] = needle_page(json.loads((NEEDLE_DIR / f"{name}.json").read_text()), scores)
+    if MEGA_TIMELINE.exists():
+        out[MEGA_TIMELINE.with_suffix(".md")] = mega_timeline_table(json.loads(MEGA_TIMELINE.read_text()))
     for bench in sorted((ROOT / "docs" / "measured").rglob("bench.json")):  # each run's own page, as the bench writes it
         out[bench.with_suffix(".md")] = markdown(json.loads(bench.read_text()))
     return out
@@ -507,6 +571,8 @@ def main(argv: list[str]) -> int:
         p.write_text(text)
     try:
         experts_plot(expert_benches(), EXPERTS_PNG)
+        if MEGA_TIMELINE.exists():
+            mega_timeline_plot(json.loads(MEGA_TIMELINE.read_text()), MEGA_TIMELINE_PNG)
         from strata_nb.needle import heatmap
         for name in NEEDLE_RUNS:
             heatmap(json.loads((NEEDLE_DIR / f"{name}.json").read_text()), ROOT / "docs" / "assets" / f"{name}.png")

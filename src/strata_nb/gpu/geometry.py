@@ -87,3 +87,6 @@ SELECT_SHARED_SCORES = on_gpu(4096, simulator=64)  # candidates' scores held in 
 MEGA_ON_GPU = dict(threads=256, splits=64)  # (the plan's printout for the docs shows a GPU's)
 MEGA_THREADS = on_gpu(MEGA_ON_GPU["threads"], simulator=128)  # threads of each thread block (8 warps)
 MEGA_SPLITS = on_gpu(MEGA_ON_GPU["splits"], simulator=2)  # at most, shares of a KV head's cells attention folds apart
+SM_REGISTERS = 65536  # 32-bit registers of an SM (every GPU since Maxwell); a thread uses at most 255
+# what the megakernel is compiled with: a thread block of MEGA_THREADS must fit one SM's registers
+MEGA_JIT = on_gpu(dict(max_registers=min(255, SM_REGISTERS // MEGA_THREADS)), simulator={})

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from numba import cuda, float32
 
-from ...gpu.geometry import SIMULATED
+from ...gpu.geometry import MEGA_JIT, SIMULATED
 from ...kernels.attention.attention import FOLD_BLOCKS
 from ...kernels.dense.embed import ROW_PARTS
 from ...kernels.dense.matvec import ROW_SUMS
@@ -102,7 +102,7 @@ def make_interpreter(types: dict, fmt: str):
     down_stage = make_product(dot["wdown"], add=True)  # x += h_ff @ Wdown.T
     head_stage = make_product(dot["output"], add=False)  # logits = rmsnorm(x) @ Wout.T
 
-    @cuda.jit(cache=True)
+    @cuda.jit(cache=True, **MEGA_JIT)
     def mega_step_kernel(plan,       # (items, 2) int32: each item's op and layer (plan.py)
                          sync,       # (2,) int32: the grid barrier's counters
                          token,      # (1,) int32: the token going in; the pick is written over it
