@@ -31,7 +31,7 @@ figure is typed by hand (tests/test_docs.py checks both are up to date):
   writes it (bench/report.py: the command as a reader pastes it, no machine's paths).
 
 - docs/measured/mega/timeline.md, where a decode step's time goes in the fast tier and in
-  the megakernel, from docs/measured/mega/timeline.json (tools/mega_timeline.py on a GPU),
+  the megakernel, from docs/measured/mega/timeline.json (`python tools/measure_docs.py mega-timeline` on a GPU),
   and on a plain run its figure, docs/assets/mega_timeline.png. Neither is written
   before that file exists.
 
@@ -70,7 +70,7 @@ PLAIN_TIER = ROOT / "src" / "strata_nb" / "kernels"
 BY_HAND = ROOT / "docs" / "measured" / "load" / "q4_k_by_hand.md"
 TWO_MODELS = ROOT / "docs" / "measured" / "models" / "two_models.md"
 MEGA_PLAN = ROOT / "docs" / "measured" / "mega" / "plan.md"
-MEGA_TIMELINE = ROOT / "docs" / "measured" / "mega" / "timeline.json"  # tools/mega_timeline.py on a GPU
+MEGA_TIMELINE = ROOT / "docs" / "measured" / "mega" / "timeline.json"  # measure_docs.py mega-timeline, on a GPU
 MEGA_TIMELINE_PNG = ROOT / "docs" / "assets" / "mega_timeline.png"
 MEGA_ITEMS = ("embed", "qkv", "attend", "wo", "gate_up", "down", "head", "pick")
 START = "<!-- bench-table: written by python tools/docs_tables.py from docs/measured/bench/bench.json -->"
@@ -468,7 +468,7 @@ def mega_plans() -> str:
 
 
 def mega_timeline_table(t: dict) -> str:
-    """Where a step's time goes, fast tier against megakernel (tools/mega_timeline.py's run)."""
+    """Where a step's time goes, fast tier against megakernel (measure_docs.py mega-timeline's run)."""
     lines = ["| depth | KV | fast: step | its kernels | between them | launches | mega: step | "
              "its items | barriers x one alone |", "| ---: | --- |" + " ---: |" * 7]
     for r in t["rows"]:

@@ -7,6 +7,7 @@
     python tools/measure_docs.py examples     # what the model-free examples print (seconds)
     python tools/measure_docs.py qsa-ranks    # where QSA's scores rank a planted fact's block (~3 min)
     python tools/measure_docs.py serve        # strata-nb probe against strata-nb serve, and the fault (~15 min)
+    python tools/measure_docs.py mega-timeline  # on a GPU: where a decode step's time goes, fast tier and megakernel (~2 min)
 
 Every page shows the command that produced its numbers; nothing here is typed by hand.
 CI does not run this (it takes minutes); the docs build only includes its output.
@@ -17,6 +18,7 @@ import json
 import platform
 import subprocess
 import sys
+import time
 from importlib import resources
 from pathlib import Path
 
@@ -256,8 +258,101 @@ def examples():
             f"```text\n{done.stdout.rstrip()}\n```\n")
 
 
+MEGA_DEPTHS = (1, 8000)  # the timeline's
+
+
+def barrier_us(n: int, repeats: int = 20) -> float:
+    """One grid barrier's cost: a launch of n barriers over the megakernel's grid, less an empty one."""
+    import numpy as np
+    from numba import cuda
+
+    from strata_nb.fast.mega.interpreter import grid_barrier
+    from strata_nb.gpu.geometry import MEGA_THREADS, multiprocessors
+
+    @cuda.jit
+    def barriers_only(sync, n):
+        for _ in range(n):
+            grid_barrier(sync)
+
+    sync = cuda.to_device(np.zeros(2, np.int32))
+
+    def launch_us(k):
+        barriers_only[multiprocessors(), MEGA_THREADS](sync, k)
+        cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(repeats):
+            barriers_only[multiprocessors(), MEGA_THREADS](sync, k)
+        cuda.synchronize()
+        return (time.perf_counter() - t) / repeats * 1e6
+
+    return (launch_us(n) - launch_us(0)) / n
+
+
+def mega_row(base, kv: str, prompt: list[int]) -> dict:
+    """The megakernel's step: a clocked step's items by kind, and its run-ahead wall time."""
+    from collections import defaultdict
+
+    import numpy as np
+    from numba import cuda
+
+    from strata_nb.bench.profile import STEPS, ahead_wall_us
+    from strata_nb.fast.mega.plan import OPS
+    from strata_nb.fast.mega.step import MegaModel, MegaStep
+
+    eng = base.derive(kv=kv, kernels="mega", quiet=True)
+    logits = eng.prefill(prompt)
+    step = MegaStep(eng.be, eng.weights, eng.kv, True, MegaModel(eng.be, eng.weights), clocked=True)
+    token, pos = int(np.argmax(logits)), len(prompt)
+    by_op = defaultdict(float)
+    for _ in range(3):  # the first compiles; the last is kept
+        token = step.run(token, pos)
+        pos += 1
+    for (op, _), ns in zip(step.plan, step.item_ns()):
+        by_op[OPS[op]] += ns / 1e3
+    plain = MegaStep(eng.be, eng.weights, eng.kv, True, MegaModel(eng.be, eng.weights))
+    plain.run(token, pos)
+    plain.seek(token, pos)
+    return dict(items_us=dict(by_op), clocked_us=sum(by_op.values()), barriers=len(step.plan) - 1,
+                ahead_wall_us=ahead_wall_us(plain, STEPS, cuda.synchronize))
+
+
+def mega_timeline(path: str = ""):
+    """Where a decode step's time goes on a GPU, fast tier against megakernel: mega/timeline.json
+    (tools/docs_tables.py makes the page's table and figure of it). path: a model file
+    (`mega-timeline=PATH`; the default model without one)."""
+    from numba import cuda
+
+    from strata_nb import Engine
+    from strata_nb.bench.profile import profile_decode
+    from strata_nb.bench.run import prompt_of
+    from strata_nb.gpu.geometry import MEGA_THREADS, multiprocessors
+
+    from strata_nb.model.fetch import default_model_path
+
+    path = path or str(default_model_path())
+    base = Engine.load(model=path, device="cuda", kernels="fast", max_context=8192 + 512)
+    rows = []
+    for depth in MEGA_DEPTHS:
+        prompt = prompt_of(base, DOC, depth)
+        for kv in ("fp16", "k8v4"):
+            prof = profile_decode(base.derive(kv=kv, quiet=True), prompt)
+            fast = dict(kernels_us={name: us for name, (_, us) in prof["kernels"].items()}, gpu_us=prof["gpu_us"],
+                        ahead_wall_us=prof["ahead_wall_us"], launches=prof["launches"])
+            rows.append(dict(depth=len(prompt), kv=kv, fast=fast, mega=mega_row(base, kv, prompt)))
+            print(json.dumps({k: v for k, v in rows[-1].items() if k != "fast"}))
+    n = rows[0]["mega"]["barriers"]
+    name = cuda.get_current_device().name
+    result = dict(device=name.decode() if isinstance(name, bytes) else name, model=Path(path).name,
+                  blocks=multiprocessors(), threads=MEGA_THREADS, barrier_us=barrier_us(n), rows=rows,
+                  command="python tools/measure_docs.py mega-timeline")
+    print("barrier_us", result["barrier_us"])
+    (OUT / "mega").mkdir(exist_ok=True)
+    (OUT / "mega" / "timeline.json").write_text(json.dumps(result, indent=1) + "\n")
+
+
 if __name__ == "__main__":
     OUT.mkdir(parents=True, exist_ok=True)
     for what in sys.argv[1:] or ["compare", "stream", "fault", "verify", "examples"]:
+        what, _, arg = what.partition("=")
         {"compare": compare, "stream": stream, "fault": fault, "verify": verify_fault, "examples": examples,
-         "qsa-ranks": qsa_ranks, "serve": serve}[what]()
+         "qsa-ranks": qsa_ranks, "serve": serve, "mega-timeline": mega_timeline}[what](*[arg] if arg else [])
