@@ -468,52 +468,58 @@ def mega_plans() -> str:
 
 
 def mega_timeline_table(t: dict) -> str:
-    """Where a step's time goes, fast tier against megakernel (measure_docs.py mega-timeline's run)."""
-    lines = ["| depth | KV | fast: step | its kernels | between them | launches | mega: step | "
-             "its items | barriers x one alone |", "| ---: | --- |" + " ---: |" * 7]
+    """Where a step's time goes, fast tier against megakernel (measure_docs.py mega-timeline's run),
+    and what the barriers alone cost."""
+    lines = ["| depth | KV | fast tier: step | its launches | its kernels' times, summed | megakernel: step | "
+             "its items, summed | its barriers alone |", "| ---: | --- |" + " ---: |" * 6]
     for r in t["rows"]:
         f, m = r["fast"], r["mega"]
-        lines.append(f"| {r['depth']:,} | {r['kv']} | {f['ahead_wall_us']:,.0f} us | {f['gpu_us']:,.0f} us | "
-                     f"{f['ahead_wall_us'] - f['gpu_us']:,.0f} us | {f['launches']} | {m['ahead_wall_us']:,.0f} us | "
-                     f"{m['clocked_us']:,.0f} us | {m['barriers'] * t['barrier_us']:,.0f} us |")
-    lines += ["", "The megakernel's items, each with the barrier after it (us, as thread block 0 saw them):", "",
+        lines.append(f"| {r['depth']:,} | {r['kv']} | {f['ahead_wall_us']:,.0f} us | {f['launches']:.0f} | "
+                     f"{f['gpu_us']:,.0f} us | {m['ahead_wall_us']:,.0f} us | {m['clocked_us']:,.0f} us | "
+                     f"{m['barriers'] * t['barrier_us']:,.0f} us |")
+    lines += ["", "The megakernel's items by kind: us a step, each item with the barrier after it, as thread "
+              "block 0 saw them, summed over the layers:", "",
               "| depth | KV | " + " | ".join(MEGA_ITEMS) + " |", "| ---: | --- |" + " ---: |" * len(MEGA_ITEMS)]
     for r in t["rows"]:
         items = r["mega"]["items_us"]
-        lines.append(f"| {r['depth']:,} | {r['kv']} | " + " | ".join(f"{items.get(k, 0):,.1f}" for k in MEGA_ITEMS) + " |")
-    return "\n".join(lines + ["", f"{t['device']}, {t['model']}; the megakernel on {t['blocks']} thread blocks of "
-                                  f"{t['threads']} threads; one grid barrier alone {t['barrier_us']:.2f} us. "
-                                  f"Measured by `{t['command']}`; a step's times are run ahead, "
-                                  "as `generate` and the bench run them."]) + "\n"
+        lines.append(f"| {r['depth']:,} | {r['kv']} | " + " | ".join(f"{items.get(k, 0):,.0f}" for k in MEGA_ITEMS) + " |")
+    first, barriers = t["rows"][0], t["rows"][0]["mega"]["barriers"]
+    fast_us, mega_us = first["fast"]["ahead_wall_us"], first["mega"]["ahead_wall_us"]
+    return "\n".join(lines + [
+        "", f"At depth {first['depth']:,} ({first['kv']}) the megakernel's step takes {mega_us:,.0f} us, "
+        f"{mega_us / fast_us:.1f} times the fast tier's {fast_us:,.0f} us. One grid barrier alone (a launch of "
+        f"nothing but {barriers} of them, less an empty launch) costs {t['barrier_us']:.2f} us, so a step's "
+        f"{barriers} barriers are {barriers * t['barrier_us']:,.0f} us of it; the rest is the items' own work. "
+        "The fast tier's kernels overlap (each is launched as dependent on the one before, and sets out "
+        "before it ends), so their times add up to more than its step.",
+        "", f"{t['device']}, {t['model']}; the megakernel on {t['blocks']} thread blocks of {t['threads']} "
+        f"threads. Measured by `{t['command']}`; each step run ahead, as `generate` and the bench run them."]) + "\n"
 
 
 def mega_timeline_plot(t: dict, path: Path) -> None:
-    """Two bars a configuration: the fast tier's step (kernels, gaps) and the megakernel's (its items)."""
+    """Two bars a configuration: the fast tier's step and the megakernel's (its items by kind)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(11, 0.9 + 0.75 * len(t["rows"]) * 2))
-    labels, y = [], 0
-    for r in t["rows"]:
-        f, m = r["fast"], r["mega"]
-        ax.barh(y, f["gpu_us"], color="C0", label="fast: kernels running" if y == 0 else None)
-        ax.barh(y, f["ahead_wall_us"] - f["gpu_us"], left=f["gpu_us"], color="0.8",
-                label="fast: between kernels" if y == 0 else None)
+    fig, ax = plt.subplots(figsize=(11, 1.2 + 1.1 * len(t["rows"])))
+    labels, ticks = [], []
+    for i, r in enumerate(t["rows"]):
+        f, m, y = r["fast"], r["mega"], 2.6 * i
+        ax.barh(y, f["ahead_wall_us"], color="C0", label="fast tier: its step" if i == 0 else None)
         left = 0.0
-        for i, k in enumerate(MEGA_ITEMS):
+        for j, k in enumerate(MEGA_ITEMS):
             us = m["items_us"].get(k, 0.0)
-            ax.barh(y + 1, us, left=left, color=f"C{i + 1}", label=f"mega: {k}" if y == 0 else None)
+            ax.barh(y + 1, us, left=left, color=f"C{j + 1}", label=f"megakernel: {k}" if i == 0 else None)
             left += us
-        ax.barh(y + 1, max(0.0, m["ahead_wall_us"] - left), left=left, color="0.8", hatch="//",
-                label="mega: between steps" if y == 0 else None)
         floor = m["barriers"] * t["barrier_us"]
-        ax.plot([floor, floor], [y + 0.6, y + 1.4], color="k", lw=2, label="mega: its barriers alone" if y == 0 else None)
+        ax.plot([floor, floor], [y + 0.55, y + 1.45], color="k", lw=2,
+                label="megakernel: its barriers alone" if i == 0 else None)
         labels += [f"fast, depth {r['depth']:,} {r['kv']}", f"mega, depth {r['depth']:,} {r['kv']}"]
-        y += 2.6
-    ax.set_yticks([i * 2.6 + j for i in range(len(t["rows"])) for j in (0, 1)], labels)
+        ticks += [y, y + 1]
+    ax.set_yticks(ticks, labels)
     ax.invert_yaxis()
-    ax.set_xlabel("us a decode step")
+    ax.set_xlabel("us a decode step (run ahead)")
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     ax.set_title(f"Where a decode step's time goes: {t['model']} on {t['device']}")
     fig.tight_layout()

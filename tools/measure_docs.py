@@ -329,8 +329,8 @@ def mega_timeline(path: str = ""):
 
     from strata_nb.model.fetch import default_model_path
 
-    path = path or str(default_model_path())
-    base = Engine.load(model=path, device="cuda", kernels="fast", max_context=8192 + 512)
+    given, path = bool(path), path or str(default_model_path())
+    base = Engine.load(model=path, device="cuda", kernels="fast", max_context=8192)
     rows = []
     for depth in MEGA_DEPTHS:
         prompt = prompt_of(base, DOC, depth)
@@ -344,7 +344,7 @@ def mega_timeline(path: str = ""):
     name = cuda.get_current_device().name
     result = dict(device=name.decode() if isinstance(name, bytes) else name, model=Path(path).name,
                   blocks=multiprocessors(), threads=MEGA_THREADS, barrier_us=barrier_us(n), rows=rows,
-                  command="python tools/measure_docs.py mega-timeline")
+                  command="python tools/measure_docs.py mega-timeline" + (f"={Path(path).name}" if given else ""))
     print("barrier_us", result["barrier_us"])
     (OUT / "mega").mkdir(exist_ok=True)
     (OUT / "mega" / "timeline.json").write_text(json.dumps(result, indent=1) + "\n")

@@ -32,7 +32,7 @@ from ...kernels.dense.gguf_rows import PART
 from ...kernels.dense.rope import turn_pair
 from ...kernels.dense.swiglu import silu_times
 from ...kernels.kv.hadamard import N as HADAMARD_N
-from ...kernels.kv.hadamard import fwht64
+from ...kernels.kv.hadamard import fwht64_lanes
 from ...kernels.kv.kv_append_fp16 import cell_home, store_cell
 from ...kernels.kv.kv_append_q4 import append_q4_warp
 from ...kernels.kv.kv_append_q8 import append_q8_warp
@@ -241,9 +241,15 @@ def make_wo_stage(dot, rotated):
         for e in range(cuda.threadIdx.x, n_heads * hd, cuda.blockDim.x):  # the block's own copy
             xs[0, e] = attn[e // hd, e % hd]
         cuda.syncthreads()
-        if rotated:
-            for row in range(cuda.threadIdx.x, n_heads * hd // HADAMARD_N, cuda.blockDim.x):
-                fwht64(xs[0, row * HADAMARD_N:(row + 1) * HADAMARD_N])
+        if rotated:  # a warp a 64-value row: fwht64_lanes, fwht64's additions with the lanes at once
+            warp, lane, warps = cuda.threadIdx.x // WARP, cuda.threadIdx.x % WARP, cuda.blockDim.x // WARP
+            rows = n_heads * hd // HADAMARD_N
+            for r in range((rows + warps - 1) // warps):  # every warp the same rounds (shuffles want all lanes)
+                j = min(r * warps + warp, rows - 1) * HADAMARD_N  # past the last: redo it, write nothing
+                lo, hi = fwht64_lanes(xs[0, j + lane], xs[0, j + lane + WARP], lane)  # (a, b: the weights)
+                cuda.syncthreads()  # each row is read before it is written
+                if r * warps + warp < rows:
+                    xs[0, j + lane], xs[0, j + lane + WARP] = lo, hi
             cuda.syncthreads()
         product_add(x, a, b, xs, n_heads * hd)
 
