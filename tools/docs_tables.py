@@ -485,11 +485,16 @@ def mega_timeline_table(t: dict) -> str:
         lines.append(f"| {r['depth']:,} | {r['kv']} | " + " | ".join(f"{items.get(k, 0):,.0f}" for k in MEGA_ITEMS) + " |")
     first, barriers = t["rows"][0], t["rows"][0]["mega"]["barriers"]
     fast_us, mega_us = first["fast"]["ahead_wall_us"], first["mega"]["ahead_wall_us"]
+    layers = (barriers - 2) // 5  # plan.build_plan: embed, 5 items a layer, head, pick
+    one = t["barrier_us"]
+    per_layer = ", ".join(f"{k} {first['mega']['items_us'][k] / layers:.1f} us ({first['mega']['items_us'][k] / layers / one:.1f})"
+                          for k in ("qkv", "attend", "wo", "gate_up", "down"))
     return "\n".join(lines + [
         "", f"At depth {first['depth']:,} ({first['kv']}) the megakernel's step takes {mega_us:,.0f} us, "
         f"{mega_us / fast_us:.1f} times the fast tier's {fast_us:,.0f} us. One grid barrier alone (a launch of "
         f"nothing but {barriers} of them, less an empty launch) costs {t['barrier_us']:.2f} us, so a step's "
         f"{barriers} barriers are {barriers * t['barrier_us']:,.0f} us of it; the rest is the items' own work. "
+        f"A layer's items there, each with its barrier (and in barriers' worth): {per_layer}. "
         "The fast tier's kernels overlap (each is launched as dependent on the one before, and sets out "
         "before it ends), so their times add up to more than its step.",
         "", f"{t['device']}, {t['model']}; the megakernel on {t['blocks']} thread blocks of {t['threads']} "
